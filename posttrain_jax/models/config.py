@@ -1,0 +1,196 @@
+"""`ModelConfig`: one config for the decoder families we support, read from HF `config.json`.
+
+Llama (3.x), Qwen2 (2.5) and Qwen3 (dense) differ only in a few switches, so one decoder
+(`decoder.py`) serves all three and this file holds the per-family translation:
+
+| family | q/k/v bias          | o bias          | MLP bias  | q/k RMSNorm | RoPE                  |
+|--------|---------------------|-----------------|-----------|-------------|-----------------------|
+| llama  | attention_bias      | attention_bias  | mlp_bias  | no          | default, linear, llama3 |
+| qwen2  | always              | no              | no        | no          | default               |
+| qwen3  | attention_bias      | attention_bias  | no        | yes         | default               |
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax.numpy as jnp
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class ConfigError(ValueError):
+  """A HF config we cannot serve; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture and numerics of a decoder-only transformer."""
+  family: str                     # "llama" | "qwen2" | "qwen3"
+  vocab_size: int                 # rows of the embedding / columns of the LM head
+  hidden_size: int                # model width D
+  intermediate_size: int          # SwiGLU inner width F
+  num_layers: int                 # decoder blocks
+  num_heads: int                  # query heads H
+  num_kv_heads: int               # key/value heads (GQA: H % num_kv_heads == 0)
+  head_dim: int                   # per-head width
+  rms_norm_eps: float = 1e-6      # epsilon inside every RMSNorm
+  rope_theta: float = 10000.0     # RoPE base
+  rope_scaling: tuple[tuple[str, Any], ...] = ()  # frozen HF rope parameters beyond theta
+  qkv_bias: bool = False          # bias on q/k/v projections
+  o_bias: bool = False            # bias on the output projection
+  mlp_bias: bool = False          # bias on gate/up/down projections
+  qk_norm: bool = False           # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+  tie_word_embeddings: bool = False  # LM head = embedding^T
+  max_position_embeddings: int = 4096  # longest context the RoPE tables are built for
+  bos_token_id: Optional[int] = None
+  eos_token_id: Any = None        # int or list of ints, as HF writes it
+  pad_token_id: Optional[int] = None
+  param_dtype: str = "float32"    # storage dtype of parameters
+  compute_dtype: str = "float32"  # dtype of matmuls/activations; norms and softmax stay fp32
+  remat: bool = False             # recompute each block's activations in the backward pass
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ConfigError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                        f"num_key_value_heads={self.num_kv_heads}")
+    for f in ("param_dtype", "compute_dtype"):
+      if getattr(self, f) not in _DTYPES:
+        raise ConfigError(f"{f}={getattr(self, f)!r}; valid: {sorted(_DTYPES)}")
+    rope_type = dict(self.rope_scaling).get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+      raise ConfigError(f"rope_type {rope_type!r} is not supported; supported: "
+                        f"{list(SUPPORTED_ROPE_TYPES)}")
+
+  @property
+  def param_jnp_dtype(self):
+    return _DTYPES[self.param_dtype]
+
+  @property
+  def compute_jnp_dtype(self):
+    return _DTYPES[self.compute_dtype]
+
+  @property
+  def architecture(self) -> str:
+    return {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[self.family]
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)
+
+  def num_params(self) -> int:
+    d, f, h, kv, hd = (self.hidden_size, self.intermediate_size, self.num_heads,
+                       self.num_kv_heads, self.head_dim)
+    attn = d * h * hd * 2 + d * kv * hd * 2
+    attn += (h * hd + 2 * kv * hd) * self.qkv_bias + d * self.o_bias + 2 * hd * self.qk_norm
+    mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
+    per_layer = attn + mlp + 2 * d
+    head = 0 if self.tie_word_embeddings else d * self.vocab_size
+    return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+
+def _require(hf: dict, key: str, path: str):
+  if key not in hf:
+    raise ConfigError(f"{path}: required field {key!r} is missing")
+  return hf[key]
+
+
+def _rope(hf: dict) -> tuple[float, tuple[tuple[str, Any], ...]]:
+  """Reads RoPE from the v5 `rope_parameters` dict or the older `rope_theta`/`rope_scaling`."""
+  params = dict(hf.get("rope_parameters") or {})
+  scaling = dict(hf.get("rope_scaling") or {})
+  theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+  params.update({k: v for k, v in scaling.items() if k not in params})
+  if "type" in params and "rope_type" not in params:
+    params["rope_type"] = params.pop("type")
+  params.setdefault("rope_type", "default")
+  return float(theta), tuple(sorted(params.items()))
+
+
+def from_hf_dict(hf: dict, path: str = "config.json", **overrides) -> ModelConfig:
+  """Translates a HF `config.json` dict into a ModelConfig (overrides: dtypes, remat)."""
+  archs = hf.get("architectures") or []
+  model_type = hf.get("model_type")
+  family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+  if family is None and model_type in SUPPORTED_ARCHITECTURES.values():
+    family = model_type
+  if family is None:
+    raise ConfigError(
+        f"{path}: unsupported architecture {archs or model_type!r}; supported: "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+  if hf.get("use_sliding_window"):
+    raise ConfigError(f"{path}: use_sliding_window=true is not supported (full attention only)")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ConfigError(f"{path}: hidden_act={hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
+  heads = _require(hf, "num_attention_heads", path)
+  hidden = _require(hf, "hidden_size", path)
+  theta, scaling = _rope(hf)
+  bias = bool(hf.get("attention_bias", False))
+  kw = dict(
+      family=family,
+      vocab_size=_require(hf, "vocab_size", path),
+      hidden_size=hidden,
+      intermediate_size=_require(hf, "intermediate_size", path),
+      num_layers=_require(hf, "num_hidden_layers", path),
+      num_heads=heads,
+      num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or hidden // heads,
+      rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+      rope_theta=theta,
+      rope_scaling=scaling,
+      qkv_bias=True if family == "qwen2" else bias,
+      o_bias=False if family == "qwen2" else bias,
+      mlp_bias=bool(hf.get("mlp_bias", False)) if family == "llama" else False,
+      qk_norm=family == "qwen3",
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      max_position_embeddings=hf.get("max_position_embeddings", 4096),
+      bos_token_id=hf.get("bos_token_id"),
+      eos_token_id=hf.get("eos_token_id"),
+      pad_token_id=hf.get("pad_token_id"),
+  )
+  kw.update(overrides)
+  return ModelConfig(**kw)
+
+
+def to_hf_dict(cfg: ModelConfig) -> dict:
+  """The HF `config.json` for `cfg` (loadable by transformers and vLLM)."""
+  rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, **dict(cfg.rope_scaling)}
+  hf = {
+      "architectures": [cfg.architecture],
+      "model_type": cfg.family,
+      "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.hidden_size,
+      "intermediate_size": cfg.intermediate_size,
+      "num_hidden_layers": cfg.num_layers,
+      "num_attention_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.num_kv_heads,
+      "head_dim": cfg.head_dim,
+      "hidden_act": "silu",
+      "rms_norm_eps": cfg.rms_norm_eps,
+      "rope_theta": cfg.rope_theta,
+      "rope_parameters": rope,
+      "tie_word_embeddings": cfg.tie_word_embeddings,
+      "max_position_embeddings": cfg.max_position_embeddings,
+      "bos_token_id": cfg.bos_token_id,
+      "eos_token_id": cfg.eos_token_id,
+      "pad_token_id": cfg.pad_token_id,
+      "torch_dtype": cfg.param_dtype,
+      "dtype": cfg.param_dtype,
+      "use_cache": True,
+  }
+  if dict(cfg.rope_scaling).get("rope_type", "default") != "default":
+    hf["rope_scaling"] = rope
+  if cfg.family == "llama":
+    hf["attention_bias"] = cfg.qkv_bias
+    hf["mlp_bias"] = cfg.mlp_bias
+  elif cfg.family == "qwen3":
+    hf["attention_bias"] = cfg.qkv_bias
+    hf["use_sliding_window"] = False
+  else:
+    hf["use_sliding_window"] = False
+  return hf

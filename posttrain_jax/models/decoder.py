@@ -1,0 +1,226 @@
+"""Decoder-only transformer (Llama 3.x / Qwen2 / Qwen3) in Flax NNX.
+
+    h_0 = E[x]
+    h_l = h_{l-1} + Attn(RMSNorm(h_{l-1}));  h_l = h_l + SwiGLU(RMSNorm(h_l))
+    out = RMSNorm(h_L)                      (final hidden states, what `__call__` returns)
+    logits = out @ W_head                   (separate: training never materialises them)
+
+Attention is grouped-query (H query heads share H/KV key/value heads), with RoPE on q and k
+(after a per-head RMSNorm in Qwen3). One mask serves training and decoding: a query at
+slot i attends to key slot j iff j <= i, both carry the same non-zero segment id. Packed
+sequences therefore never see each other, padding (segment 0) is never attended, and a
+KV cache is just more key slots, written at `cache.index`.
+
+Module and parameter names mirror HF's checkpoint names (`model.layers.3.self_attn.q_proj`),
+so HF I/O is a mechanical rename plus a transpose of each `kernel` ([in, out] here,
+[out, in] in HF). Every parameter carries its logical axes as metadata (`axes=`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from posttrain_jax import sharding as shd
+from posttrain_jax.models.config import ModelConfig
+from posttrain_jax.models.rope import apply_rope, cos_sin, inv_frequencies
+
+_NEG_INF = -1e30  # finite: a fully masked row (a padding query) gives a uniform softmax, not NaN
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """Per-layer keys/values [B, S, KV, head_dim], segment id per slot [B, S] (0 = empty)."""
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+  segment_ids: jax.Array
+  index: jax.Array  # int32 scalar: the next slot to write
+
+  @property
+  def max_len(self) -> int:
+    return self.segment_ids.shape[1]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
+  shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  zeros = lambda: jnp.zeros(shape, cfg.compute_jnp_dtype)
+  return KVCache(k=tuple(zeros() for _ in range(cfg.num_layers)),
+                 v=tuple(zeros() for _ in range(cfg.num_layers)),
+                 segment_ids=jnp.zeros((batch, max_len), jnp.int32),
+                 index=jnp.zeros((), jnp.int32))
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+  return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Linear(nnx.Module):
+  """y = x @ kernel (+ bias); kernel [in, out] with logical axes `axes`."""
+
+  def __init__(self, din: int, dout: int, *, bias: bool, axes: tuple[str, str],
+               cfg: ModelConfig, rngs: nnx.Rngs):
+    self.kernel = nnx.Param(_normal(rngs, (din, dout), cfg.param_jnp_dtype), axes=axes)
+    self.bias = (nnx.Param(jnp.zeros((dout,), cfg.param_jnp_dtype), axes=axes[1:])
+                 if bias else None)
+    self.dtype = cfg.compute_jnp_dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+    if self.bias is not None:
+      y = y + self.bias[...].astype(self.dtype)
+    return y
+
+
+class RMSNorm(nnx.Module):
+  """y = x / sqrt(mean(x^2) + eps) * scale, the statistic in float32."""
+
+  def __init__(self, dim: int, *, eps: float, axes: tuple[str], cfg: ModelConfig):
+    self.scale = nnx.Param(jnp.ones((dim,), cfg.param_jnp_dtype), axes=axes)
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with RoPE (+ q/k RMSNorm for Qwen3)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh: Optional[Mesh], rules):
+    d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.q_proj = Linear(d, h * hd, bias=cfg.qkv_bias, axes=("embed", "heads"), cfg=cfg, rngs=rngs)
+    self.k_proj = Linear(d, kv * hd, bias=cfg.qkv_bias, axes=("embed", "kv_heads"), cfg=cfg, rngs=rngs)
+    self.v_proj = Linear(d, kv * hd, bias=cfg.qkv_bias, axes=("embed", "kv_heads"), cfg=cfg, rngs=rngs)
+    self.o_proj = Linear(h * hd, d, bias=cfg.o_bias, axes=("heads", "embed"), cfg=cfg, rngs=rngs)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, axes=("head_dim",), cfg=cfg)
+      self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, axes=("head_dim",), cfg=cfg)
+    else:
+      self.q_norm = self.k_norm = None
+    self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
+    self.mesh, self.rules = mesh, rules
+
+  def __call__(self, x_btd, cos, sin, mask_bts, kv_cache=None, index=None):
+    b, t, _ = x_btd.shape
+    q = self.q_proj(x_btd).reshape(b, t, self.num_heads, self.head_dim)
+    k = self.k_proj(x_btd).reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x_btd).reshape(b, t, self.num_kv_heads, self.head_dim)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q = shd.shard(q, ("batch", "length", "act_heads", None), self.mesh, self.rules)
+    if kv_cache is not None:
+      k_all, v_all = kv_cache
+      k = jax.lax.dynamic_update_slice(k_all, k.astype(k_all.dtype), (0, index, 0, 0))
+      v = jax.lax.dynamic_update_slice(v_all, v.astype(v_all.dtype), (0, index, 0, 0))
+    new_kv = (k, v)
+    group = self.num_heads // self.num_kv_heads
+    q = q.reshape(b, t, self.num_kv_heads, group, self.head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype),
+                        preferred_element_type=jnp.float32) * (self.head_dim ** -0.5)
+    scores = jnp.where(mask_bts[:, None, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(q.dtype))
+    out = out.reshape(b, t, self.num_heads * self.head_dim)
+    return self.o_proj(out), new_kv
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh: Optional[Mesh], rules):
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    self.gate_proj = Linear(d, f, bias=cfg.mlp_bias, axes=("embed", "mlp"), cfg=cfg, rngs=rngs)
+    self.up_proj = Linear(d, f, bias=cfg.mlp_bias, axes=("embed", "mlp"), cfg=cfg, rngs=rngs)
+    self.down_proj = Linear(f, d, bias=cfg.mlp_bias, axes=("mlp", "embed"), cfg=cfg, rngs=rngs)
+    self.mesh, self.rules = mesh, rules
+
+  def __call__(self, x):
+    hidden = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+    hidden = shd.shard(hidden, ("batch", "length", "act_mlp"), self.mesh, self.rules)
+    return self.down_proj(hidden)
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh: Optional[Mesh], rules):
+    self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, axes=("norm",), cfg=cfg)
+    self.self_attn = Attention(cfg, rngs, mesh, rules)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps,
+                                            axes=("norm",), cfg=cfg)
+    self.mlp = MLP(cfg, rngs, mesh, rules)
+    self.mesh, self.rules = mesh, rules
+
+  def __call__(self, x, cos, sin, mask, kv_cache=None, index=None):
+    attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, index)
+    x = x + attn
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    return shd.shard(x, ("batch", "length", "act_embed"), self.mesh, self.rules), new_kv
+
+
+def _block_call(block, x, cos, sin, mask):
+  return block(x, cos, sin, mask)[0]
+
+
+class Decoder(nnx.Module):
+  """The whole model. `__call__` returns final hidden states; `lm_head_weight` the head."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh: Optional[Mesh] = None,
+               rules=shd.DEFAULT_RULES):
+    self.cfg = cfg
+    self.embed_tokens = nnx.Param(
+        _normal(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.param_jnp_dtype),
+        axes=("vocab", "embed"))
+    self.layers = nnx.List([Block(cfg, rngs, mesh, rules) for _ in range(cfg.num_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, axes=("norm",), cfg=cfg)
+    self.lm_head = (None if cfg.tie_word_embeddings else
+                    Linear(cfg.hidden_size, cfg.vocab_size, bias=False, axes=("embed", "vocab"),
+                           cfg=cfg, rngs=rngs))
+    self.mesh, self.rules = mesh, rules
+
+  def __call__(self, input_ids_bt: jax.Array, positions_bt: jax.Array,
+               segment_ids_bt: Optional[jax.Array] = None,
+               cache: Optional[KVCache] = None) -> tuple[jax.Array, Optional[KVCache]]:
+    """Final hidden states [B, T, D] (compute dtype) and the updated cache (or None)."""
+    cfg = self.cfg
+    b, t = input_ids_bt.shape
+    if segment_ids_bt is None:
+      segment_ids_bt = jnp.ones((b, t), jnp.int32)
+    x = jnp.take(self.embed_tokens[...], input_ids_bt, axis=0).astype(cfg.compute_jnp_dtype)
+    x = shd.shard(x, ("batch", "length", "act_embed"), self.mesh, self.rules)
+    cos, sin = cos_sin(positions_bt, inv_frequencies(cfg))
+    if cache is None:
+      q_slot, kv_slot, kv_seg = jnp.arange(t), jnp.arange(t), segment_ids_bt
+    else:
+      kv_seg = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids_bt, (0, cache.index))
+      q_slot, kv_slot = cache.index + jnp.arange(t), jnp.arange(cache.max_len)
+    mask = ((segment_ids_bt[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)
+            & (q_slot[:, None] >= kv_slot[None, :])[None])
+    if cache is None:
+      call = nnx.remat(_block_call) if cfg.remat else _block_call
+      for layer in self.layers:
+        x = call(layer, x, cos, sin, mask)
+      return self.norm(x), None
+    ks, vs = [], []
+    for i, layer in enumerate(self.layers):
+      x, (k, v) = layer(x, cos, sin, mask, (cache.k[i], cache.v[i]), cache.index)
+      ks.append(k)
+      vs.append(v)
+    new_cache = KVCache(k=tuple(ks), v=tuple(vs), segment_ids=kv_seg, index=cache.index + t)
+    return self.norm(x), new_cache
+
+  def lm_head_weight(self) -> jax.Array:
+    """The LM head as [D, V] (the embedding transposed when tied)."""
+    if self.lm_head is None:
+      return self.embed_tokens[...].T
+    return self.lm_head.kernel[...]
+
+  def logits(self, hidden_btd: jax.Array) -> jax.Array:
+    """Materialised logits [..., V] in float32 (sampling and tests; not the training path)."""
+    w = self.lm_head_weight().astype(hidden_btd.dtype)
+    return jnp.dot(hidden_btd, w, preferred_element_type=jnp.float32)

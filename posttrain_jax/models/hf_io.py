@@ -1,0 +1,218 @@
+"""HF checkpoints in and out: `config.json` + `*.safetensors` (+ tokenizer files).
+
+Loading never builds an unsharded copy of the model: the model is created abstractly
+(`nnx.eval_shape`), and each parameter is filled by `jax.make_array_from_callback`, which asks
+for exactly the slice each local device holds, read from a memory-mapped tensor.
+
+Names: our parameter path `layers.3.self_attn.q_proj.kernel` is HF's
+`model.layers.3.self_attn.q_proj.weight` transposed; `scale` -> `weight`;
+`embed_tokens` -> `model.embed_tokens.weight`; `lm_head.kernel` -> `lm_head.weight`^T.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Iterator, Optional
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+
+from posttrain_jax import sharding as shd
+from posttrain_jax.models.config import ConfigError, ModelConfig, from_hf_dict, to_hf_dict
+from posttrain_jax.models.decoder import Decoder
+from posttrain_jax.models.safetensors_io import Checkpoint, SafetensorsError, write_safetensors
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt")
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that does not match its config; the message names the tensor and file."""
+
+
+def read_model_config(path: os.PathLike, **overrides) -> ModelConfig:
+  """Reads `<path>/config.json` into a ModelConfig (overrides: dtypes, remat)."""
+  path = pathlib.Path(path)
+  if not path.is_dir():
+    raise FileNotFoundError(f"model directory {path} does not exist")
+  cfg_path = path / "config.json"
+  if not cfg_path.exists():
+    raise FileNotFoundError(f"{path}: no config.json (is this a HF model directory?)")
+  try:
+    hf = json.loads(cfg_path.read_text())
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
+  return from_hf_dict(hf, str(cfg_path), **overrides)
+
+
+def hf_name(path: tuple) -> tuple[str, bool]:
+  """Our parameter path -> (HF tensor name, transpose?)."""
+  parts = [str(p) for p in path]
+  if parts[0] == "lm_head":
+    return "lm_head.weight", True
+  leaf = parts[-1]
+  if parts == ["embed_tokens"]:
+    return "model.embed_tokens.weight", False
+  transpose = leaf == "kernel"
+  parts[-1] = {"kernel": "weight", "scale": "weight"}.get(leaf, leaf)
+  return "model." + ".".join(parts), transpose
+
+
+def _sharding_of(var, mesh: Optional[Mesh], rules):
+  if mesh is None:
+    return SingleDeviceSharding(jax.devices()[0])
+  axes = var.get_metadata().get("axes") or (None,) * len(var.shape)
+  return NamedSharding(mesh, shd.logical_to_spec(axes, rules, mesh, var.shape))
+
+
+def param_shardings(model: Decoder, mesh: Mesh, rules=shd.DEFAULT_RULES):
+  """{path: NamedSharding} for every parameter, from its logical axes."""
+  state = nnx.state(model, nnx.Param)
+  return {path: _sharding_of(var, mesh, rules) for path, var in nnx.to_flat_state(state)}
+
+
+def abstract_model(cfg: ModelConfig, mesh: Optional[Mesh] = None, rules=shd.DEFAULT_RULES):
+  """The model with ShapeDtypeStruct parameters (no memory allocated)."""
+  return nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0), mesh=mesh, rules=rules))
+
+
+def init_model(cfg: ModelConfig, seed: int = 0, mesh: Optional[Mesh] = None,
+               rules=shd.DEFAULT_RULES) -> Decoder:
+  """A randomly initialised model, each parameter created directly in its sharding."""
+  graphdef, abs_state = nnx.split(abstract_model(cfg, mesh, rules))
+  shardings = jax.tree.map(lambda v: _sharding_of(v, mesh, rules), abs_state,
+                           is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+  @functools.partial(jax.jit, out_shardings=nnx.to_pure_dict(shardings))
+  def make():
+    return nnx.to_pure_dict(nnx.state(Decoder(cfg, nnx.Rngs(seed), mesh=mesh, rules=rules)))
+
+  nnx.replace_by_pure_dict(abs_state, make())
+  return nnx.merge(graphdef, abs_state)
+
+
+def load_hf_model(path: os.PathLike, mesh: Optional[Mesh] = None, rules=shd.DEFAULT_RULES,
+                  **overrides) -> Decoder:
+  """Loads a HF checkpoint directory into a (sharded) Decoder.
+
+  `overrides` replace ModelConfig fields (param_dtype, compute_dtype, remat).
+  """
+  path = pathlib.Path(path)
+  cfg = read_model_config(path, **overrides)
+  ckpt = Checkpoint(path)
+  graphdef, state = nnx.split(abstract_model(cfg, mesh, rules))
+  missing = []
+  for ours, var in nnx.to_flat_state(state):
+    name, transpose = hf_name(ours)
+    if name not in ckpt:
+      missing.append(name)
+      continue
+    src = ckpt.get(name)
+    src = src.T if transpose else src
+    if tuple(src.shape) != tuple(var.shape):
+      want = tuple(reversed(var.shape)) if transpose else tuple(var.shape)
+      raise CheckpointError(
+          f"tensor {name!r} in {ckpt.file_of(name).path} has shape {tuple(ckpt.get(name).shape)}, "
+          f"but config.json implies {want}")
+    dtype = var.dtype
+    var.set_value(jax.make_array_from_callback(
+        var.shape, _sharding_of(var, mesh, rules),
+        lambda idx, src=src, dtype=dtype: np.asarray(src[idx]).astype(dtype)))
+  if missing:
+    shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+    raise CheckpointError(f"{path}: checkpoint is missing tensor(s) {shown}")
+  return nnx.merge(graphdef, state)
+
+
+def hf_tensors(model: Decoder, dtype: Optional[str] = None) -> Iterator[tuple[str, np.ndarray]]:
+  """(HF name, host numpy array) for every parameter, one at a time, in HF layout.
+
+  Multi-process: arrays not fully addressable are all-gathered (every process must call).
+  """
+  import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
+  from jax.experimental import multihost_utils
+
+  np_dtype = None if dtype is None else np.dtype(
+      {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype])
+  for ours, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    name, transpose = hf_name(ours)
+    arr = var[...]
+    host = (np.asarray(arr) if arr.is_fully_addressable
+            else np.asarray(multihost_utils.process_allgather(arr, tiled=True)))
+    host = host.T if transpose else host
+    yield name, (host if np_dtype is None else host.astype(np_dtype))
+
+
+def save_hf_model(model: Decoder, out_dir: os.PathLike, *, tokenizer_dir: Optional[os.PathLike] = None,
+                  dtype: Optional[str] = None, max_shard_bytes: int = 2 << 30) -> pathlib.Path:
+  """Exports to a HF directory (config.json, safetensors shards, tokenizer files).
+
+  The directory appears atomically: written next to `out_dir` and renamed into place, so a
+  crash never leaves a half-written checkpoint. Only process 0 writes.
+  """
+  out_dir = pathlib.Path(out_dir)
+  cfg = model.cfg if dtype is None else model.cfg.replace(param_dtype=dtype)
+  tensors = hf_tensors(model, dtype)
+  if jax.process_index() != 0:
+    for _ in tensors:  # take part in the all-gathers
+      pass
+    return out_dir
+  out_dir.parent.mkdir(parents=True, exist_ok=True)
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+  try:
+    shards, current, size = [], [], 0
+    for name, arr in tensors:
+      if current and size + arr.nbytes > max_shard_bytes:
+        shards.append(current)
+        current, size = [], 0
+      current.append((name, arr))
+      size += arr.nbytes
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+      fname = ("model.safetensors" if len(shards) == 1
+               else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+      write_safetensors(tmp / fname, shard)
+      weight_map.update({name: fname for name, _ in shard})
+    if len(shards) > 1:
+      total = sum(arr.nbytes for shard in shards for _, arr in shard)
+      (tmp / "model.safetensors.index.json").write_text(json.dumps(
+          {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (tmp / "config.json").write_text(json.dumps(to_hf_dict(cfg), indent=2))
+    if tokenizer_dir is not None:
+      for fname in TOKENIZER_FILES:
+        src = pathlib.Path(tokenizer_dir) / fname
+        if src.exists():
+          shutil.copy2(src, tmp / fname)
+    if out_dir.exists():
+      old = out_dir.with_name(f".{out_dir.name}.old")
+      shutil.rmtree(old, ignore_errors=True)
+      out_dir.rename(old)
+      tmp.rename(out_dir)
+      shutil.rmtree(old, ignore_errors=True)
+    else:
+      tmp.rename(out_dir)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return out_dir
+
+
+def load_tokenizer(path: os.PathLike):
+  """The tokenizer (with its chat template) stored beside the weights, via transformers."""
+  from transformers import AutoTokenizer
+  path = pathlib.Path(path)
+  if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+    raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
+  return AutoTokenizer.from_pretrained(str(path))
+
+
+__all__ = ["read_model_config", "load_hf_model", "save_hf_model", "hf_tensors", "hf_name",
+           "init_model", "abstract_model", "param_shardings", "load_tokenizer",
+           "CheckpointError", "ConfigError", "SafetensorsError"]

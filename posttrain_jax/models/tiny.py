@@ -1,0 +1,164 @@
+"""Tiny HF-format model directories built locally (tests and the default run; no downloads).
+
+`build_tiny_model(TinyModelConfig(...))` writes, deterministically from the config's seed:
+- a byte-level BPE tokenizer trained with `tokenizers` on generated text (digits are split
+  one per token, which small models need for arithmetic), ChatML special tokens and a chat
+  template, saved through transformers so `AutoTokenizer` loads it;
+- `config.json` of any supported family and random (or given) weights in safetensors,
+  written by our own exporter so the real loading code reads them back.
+The directory is cached under a key of everything that determines it, and appears atomically.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import random
+import shutil
+import tempfile
+from typing import Iterable, Optional
+
+from posttrain_jax.models.config import ModelConfig
+
+FACTORY_VERSION = 1
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModelConfig:
+  """What a tiny model directory is built from (all of it enters the cache key)."""
+  family: str = "qwen3"           # llama | qwen2 | qwen3
+  vocab_size: int = 512           # BPE vocabulary incl. 256 bytes and special tokens
+  hidden_size: int = 128          # model width
+  intermediate_size: int = 384    # SwiGLU width
+  num_layers: int = 4             # decoder blocks
+  num_heads: int = 4              # query heads
+  num_kv_heads: int = 2           # key/value heads
+  head_dim: int = 32              # per-head width
+  tie_word_embeddings: bool = True  # LM head shares the embedding
+  max_position_embeddings: int = 1024  # RoPE table length written to config.json
+  rope_theta: float = 10000.0     # RoPE base
+  param_dtype: str = "float32"    # dtype of the stored weights
+  seed: int = 0                   # weights and tokenizer corpus
+  corpus_lines: int = 4000        # generated lines the tokenizer is trained on
+
+
+def default_cache_root() -> pathlib.Path:
+  return pathlib.Path(os.environ.get("POSTTRAIN_JAX_CACHE",
+                                     pathlib.Path.home() / ".cache" / "posttrain_jax")) / "tiny"
+
+
+def default_corpus(n_lines: int, seed: int) -> list[str]:
+  """Arithmetic, short English and chat-formatted lines: what the built-in tasks look like."""
+  rng = random.Random(seed)
+  words = ("the answer is what compute add subtract multiply number result solve question "
+           "use each of to make equals sum product difference total step first then so "
+           "user assistant system tool call think final reach target numbers expression").split()
+  ops = ("+", "-", "*")
+  lines = []
+  for _ in range(n_lines):
+    a, b = rng.randint(0, 999), rng.randint(0, 999)
+    op = rng.choice(ops)
+    kind = rng.random()
+    if kind < 0.4:
+      lines.append(f"{a}{op}{b}={eval(f'{a}{op}{b}')}")
+    elif kind < 0.7:
+      lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 10))).capitalize() + ".")
+    else:
+      lines.append(f"<|im_start|>user\nWhat is {a} {op} {b}?<|im_end|>\n<|im_start|>assistant\n"
+                   f"The answer is \\boxed{{{eval(f'{a}{op}{b}')}}}<|im_end|>")
+  return lines
+
+
+def model_config(t: TinyModelConfig, eos_ids: list[int], pad_id: int) -> ModelConfig:
+  return ModelConfig(
+      family=t.family, vocab_size=t.vocab_size, hidden_size=t.hidden_size,
+      intermediate_size=t.intermediate_size, num_layers=t.num_layers, num_heads=t.num_heads,
+      num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, rope_theta=t.rope_theta,
+      qkv_bias=t.family == "qwen2", qk_norm=t.family == "qwen3",
+      tie_word_embeddings=t.tie_word_embeddings, max_position_embeddings=t.max_position_embeddings,
+      eos_token_id=eos_ids, pad_token_id=pad_id, bos_token_id=None, param_dtype=t.param_dtype)
+
+
+def train_tokenizer(lines: Iterable[str], vocab_size: int):
+  """Byte-level BPE, one token per digit, ChatML specials; returns a transformers tokenizer."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from transformers import PreTrainedTokenizerFast
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Digits(individual_digits=True),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  tok.train_from_iterator(lines, trainer=trainer)
+  fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                 pad_token="<|endoftext|>", unk_token=None)
+  fast.chat_template = CHAT_TEMPLATE
+  return fast
+
+
+def _key(t: TinyModelConfig, extra: str) -> str:
+  blob = json.dumps({"v": FACTORY_VERSION, "cfg": dataclasses.asdict(t), "extra": extra},
+                    sort_keys=True)
+  return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def build_tiny_model(t: TinyModelConfig = TinyModelConfig(), *,
+                     out_dir: Optional[os.PathLike] = None,
+                     cache_root: Optional[os.PathLike] = None,
+                     corpus: Optional[list[str]] = None,
+                     weights=None) -> pathlib.Path:
+  """Builds (or finds in the cache) a tiny HF model directory and returns its path.
+
+  `corpus` replaces the generated tokenizer text; `weights` (a Decoder) replaces random
+  weights. Both enter the cache key. With `out_dir`, the model is written exactly there.
+  """
+  from posttrain_jax.models import hf_io
+
+  extra = ""
+  if corpus is not None:
+    extra += hashlib.sha256("\n".join(corpus).encode()).hexdigest()
+  if weights is not None:
+    h = hashlib.sha256()
+    for name, arr in hf_io.hf_tensors(weights):
+      h.update(name.encode())
+      h.update(arr.tobytes())
+    extra += h.hexdigest()
+  if out_dir is None:
+    out_dir = pathlib.Path(cache_root or default_cache_root()) / f"{t.family}-{_key(t, extra)}"
+  out_dir = pathlib.Path(out_dir)
+  if (out_dir / "config.json").exists() and (out_dir / "tokenizer.json").exists():
+    return out_dir
+
+  lines = corpus if corpus is not None else default_corpus(t.corpus_lines, t.seed)
+  tokenizer = train_tokenizer(lines, t.vocab_size)
+  if len(tokenizer) > t.vocab_size:
+    raise ValueError(f"tokenizer has {len(tokenizer)} tokens > vocab_size={t.vocab_size}")
+  eos_ids = [tokenizer.convert_tokens_to_ids("<|im_end|>"),
+             tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+  cfg = model_config(t, eos_ids, tokenizer.pad_token_id)
+  model = weights if weights is not None else hf_io.init_model(cfg, seed=t.seed)
+  if model.cfg.vocab_size != cfg.vocab_size:
+    raise ValueError(f"weights have vocab_size {model.cfg.vocab_size}, tokenizer needs {cfg.vocab_size}")
+
+  out_dir.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=out_dir.parent) as tok_dir:
+    tokenizer.save_pretrained(tok_dir)
+    (pathlib.Path(tok_dir) / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": eos_ids, "pad_token_id": tokenizer.pad_token_id}))
+    hf_io.save_hf_model(model, out_dir, tokenizer_dir=tok_dir)
+  if weights is not None:  # the given weights keep their own architecture; record our tokens
+    conf = json.loads((out_dir / "config.json").read_text())
+    conf.update(eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
+    (out_dir / "config.json").write_text(json.dumps(conf, indent=2))
+  return out_dir
