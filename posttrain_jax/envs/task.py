@@ -28,9 +28,9 @@ class TaskError(ValueError):
 class Task:
   """One single-turn task: a prompt and the reference answer the grader compares with."""
   id: str                                     # stable identity (task_id in a Trajectory)
-  prompt: Prompt                              # plain text, or chat messages [{"role", "content"}]
-  answer: str                                 # reference answer as text ("19", "\\frac{1}{2}", "... #### 72")
-  metadata: dict[str, Any] = dataclasses.field(default_factory=dict)  # everything else from the source
+  prompt: Prompt                              # plain text, or chat [{"role", "content"}, ...]
+  answer: str                                 # reference answer as text ("19", "... #### 72")
+  metadata: dict[str, Any] = dataclasses.field(default_factory=dict)  # the rest of the row
 
   def __post_init__(self):
     if not isinstance(self.id, str) or not self.id:
