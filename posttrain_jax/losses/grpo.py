@@ -1,0 +1,302 @@
+"""The GRPO family: PPO-clip per token (GRPO / DAPO / Dr.GRPO), CISPO, and GSPO.
+
+With r_t = π_θ(y_t)/π_old(y_t) = exp(log π_θ − log π_old), A_t the advantage, c_t an off-policy
+correction weight (losses/off_policy.py, stop-gradient, 1 by default) and w_t the aggregation
+weight (losses/aggregation.py):
+
+  grpo   ℓ_t = −min(r_t A_t, clip(r_t, 1−ε_low, 1+ε_high) A_t)      PPO (Schulman 2017), GRPO
+                                                                    (DeepSeekMath 2024), ε_high =
+                                                                    0.28 is DAPO's clip-higher
+         dual-clip (Ye et al. 2020), for A_t < 0: ℓ_t ← min(ℓ_t, −c·A_t), c = 3 when enabled
+  cispo  ℓ_t = −A_t · sg(clip(r_t, 1−ε_low, 1+ε_high)) · log π_θ(y_t)  (MiniMax-M1 2025;
+                                                                    NeMo-RL defaults ε = 1, 5)
+  both   loss = Σ_t w_t (c_t ℓ_t + β · k(log π_ref − log π_θ))       KL to a frozen reference,
+                                                                    k ∈ {k1, k2, k3} (losses/kl.py)
+  gspo   s_i = exp(mean_{t∈i} log r_t),  ℓ_i = −min(s_i A_i, clip(s_i, 1−ε_low, 1+ε_high) A_i),
+         loss = (1/n) Σ_i ℓ_i + β · KL (sequence-mean of token-means)  (GSPO, Qwen 2025;
+                                                                    ε = 3e-4, 4e-4)
+
+grpo and cispo are separable: `token_terms(batch, cfg)` holds w_t, A_t, c_t, log π_old and
+log π_ref as constants, `token_loss(logp, terms, cfg)` is elementwise in logp, and the loss
+function is literally Σ token_loss. When `batch.old_logp` is None the update is on-policy:
+π_old = stop_gradient(π_θ), r_t = 1 with gradient ∇log π_θ (token_terms leaves it None and
+token_loss uses stop_gradient(logp); corrections that need log π_old then require the batch
+to carry it for the separable path, and the loss function fills it with stop_gradient(logp)).
+
+Simplifications: the advantage is whatever the batch carries per token (GSPO averages it over
+the sequence's sampled tokens, which equals A_i for the usual broadcast advantage); GSPO takes
+no off-policy correction (its one ratio per sequence is already the sequence-level weight), and
+its KL term is aggregated per sequence like its policy term; the correction does not weight the
+KL term. Metrics (weighted pairs): loss, pg_loss, clip_frac_low / clip_frac_high (tokens, or
+sequences for GSPO, where the clip removed the gradient), dual_clip_frac, ratio_mean, kl (token
+mean of the chosen estimator, whenever batch.ref_logp is given), nll (mean −log π_θ), and the
+correction/* metrics of losses/off_policy.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from posttrain_jax.losses import aggregation as agg
+from posttrain_jax.losses import off_policy
+from posttrain_jax.losses.base import Metrics, register_loss, weighted
+from posttrain_jax.losses.kl import KL_ESTIMATORS, batch_field, kl_estimate
+from posttrain_jax.types import TrainBatch
+
+sg = jax.lax.stop_gradient
+
+
+def _validate_pg(cfg) -> None:
+  if not 0.0 <= cfg.eps_low <= 1.0 or cfg.eps_high < 0.0:
+    raise ValueError(f"{type(cfg).__name__}: need 0 ≤ eps_low ≤ 1 and eps_high ≥ 0; got "
+                     f"eps_low={cfg.eps_low}, eps_high={cfg.eps_high}")
+  agg.validate_aggregation(cfg.aggregation, cfg.max_len)
+  KL_ESTIMATORS.get(cfg.kl_estimator)
+  if cfg.kl_coef < 0:
+    raise ValueError(f"{type(cfg).__name__}.kl_coef must be ≥ 0, got {cfg.kl_coef}")
+  off_policy.resolve(cfg.correction, cfg.correction_cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+  """PPO-clip per token with GRPO/DAPO/Dr.GRPO aggregation, optional KL and correction."""
+  eps_low: float = 0.2                  # ratio clipped below at 1 − eps_low
+  eps_high: float = 0.28                # ratio clipped above at 1 + eps_high (DAPO clip-higher)
+  dual_clip_c: Optional[float] = None   # dual-clip c for A < 0 (3.0 in verl); None = off
+  aggregation: str = "token_mean"       # "token_mean" | "seq_mean_token_mean" | "seq_mean_token_sum_norm"
+  max_len: Optional[int] = None         # L_max, the Dr.GRPO constant; needed by seq_mean_token_sum_norm
+  kl_coef: float = 0.0                  # β of the KL-to-reference term; 0 = no term (ref not needed)
+  kl_estimator: str = "k3"              # "k1" | "k2" | "k3", x = log π_ref − log π_θ
+  correction: str = "none"              # a name in losses.off_policy.CORRECTIONS
+  correction_cfg: Any = None            # that correction's config (e.g. TISConfig(cap=2.0)); None = defaults
+
+  def __post_init__(self):
+    _validate_pg(self)
+    if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
+      raise ValueError(f"GRPOConfig.dual_clip_c must be > 1 (or None), got {self.dual_clip_c}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CISPOConfig:
+  """CISPO: clipped, stop-gradient IS weight times log π_θ; same aggregation/KL/correction as grpo."""
+  eps_low: float = 1.0                  # weight clipped below at 1 − eps_low (1.0: no lower clip)
+  eps_high: float = 5.0                 # weight clipped above at 1 + eps_high
+  ratio_base: str = "old"               # r_t = π_θ / π_old ("old") or π_θ / μ ("behaviour")
+  aggregation: str = "token_mean"       # "token_mean" | "seq_mean_token_mean" | "seq_mean_token_sum_norm"
+  max_len: Optional[int] = None         # L_max, the Dr.GRPO constant; needed by seq_mean_token_sum_norm
+  kl_coef: float = 0.0                  # β of the KL-to-reference term; 0 = no term
+  kl_estimator: str = "k3"              # "k1" | "k2" | "k3", x = log π_ref − log π_θ
+  correction: str = "none"              # a name in losses.off_policy.CORRECTIONS
+  correction_cfg: Any = None            # that correction's config; None = its defaults
+
+  def __post_init__(self):
+    _validate_pg(self)
+    if self.ratio_base not in ("old", "behaviour"):
+      raise ValueError(f"CISPOConfig.ratio_base is {self.ratio_base!r}; valid: 'old', 'behaviour'")
+
+
+@dataclasses.dataclass(frozen=True)
+class GSPOConfig:
+  """GSPO: one length-normalised ratio per sequence, clipped tightly."""
+  eps_low: float = 3e-4                 # s_i clipped below at 1 − eps_low
+  eps_high: float = 4e-4                # s_i clipped above at 1 + eps_high
+  kl_coef: float = 0.0                  # β of the KL-to-reference term; 0 = no term
+  kl_estimator: str = "k3"              # "k1" | "k2" | "k3", x = log π_ref − log π_θ
+
+  def __post_init__(self):
+    if not 0.0 <= self.eps_low <= 1.0 or self.eps_high < 0.0:
+      raise ValueError(f"GSPOConfig: need 0 ≤ eps_low ≤ 1 and eps_high ≥ 0; got "
+                       f"eps_low={self.eps_low}, eps_high={self.eps_high}")
+    KL_ESTIMATORS.get(self.kl_estimator)
+    if self.kl_coef < 0:
+      raise ValueError(f"GSPOConfig.kl_coef must be ≥ 0, got {self.kl_coef}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PGTerms:
+  """Per-token constants of grpo / cispo, all [B, T] and stop-gradient."""
+  weight_bt: jax.Array                  # aggregation weight w_t, mask included
+  adv_bt: jax.Array                     # A_t
+  corr_bt: jax.Array                    # off-policy weight c_t
+  base_logp_bt: Optional[jax.Array]     # log π_old (or log μ for cispo/behaviour); None = sg(logp)
+  ref_logp_bt: Optional[jax.Array]      # log π_ref; None when kl_coef == 0
+
+
+def _pg_parts(batch: TrainBatch, cfg, base_field: str, name: str):
+  """(PGTerms, CorrectionTerms): the token terms and the correction's clip/mask flags."""
+  weight_bt, _ = agg.aggregation_weights(cfg.aggregation, batch, cfg.max_len)
+  corr = off_policy.correction_terms(cfg.correction, cfg.correction_cfg, batch, f"loss {name!r}")
+  base = getattr(batch, base_field)
+  if base is None and base_field != "old_logp":
+    base = batch_field(batch, base_field, f"loss {name!r} (ratio_base='behaviour')")
+  ref = (batch_field(batch, "ref_logp", f"loss {name!r} with kl_coef > 0")
+         if cfg.kl_coef > 0 else None)
+  terms = PGTerms(weight_bt, sg(batch.advantages), corr.weight_bt,
+                  None if base is None else sg(base), ref)
+  return terms, corr
+
+
+def _prepare(logp, terms: PGTerms):
+  """Finite inputs on every position (padding may hold anything) and the ratio's base."""
+  live = terms.weight_bt != 0
+  logp = jnp.where(live, logp, 0.0)
+  base = sg(logp) if terms.base_logp_bt is None else jnp.where(live, terms.base_logp_bt, 0.0)
+  return live, logp, base
+
+
+def _with_kl(ell, logp, live, terms: PGTerms, cfg):
+  if terms.ref_logp_bt is not None:
+    ell = ell + cfg.kl_coef * kl_estimate(logp, jnp.where(live, terms.ref_logp_bt, 0.0),
+                                          cfg.kl_estimator)
+  return jnp.where(live, terms.weight_bt * ell, 0.0)
+
+
+def _ppo_clip(ratio, adv, cfg):
+  ell = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high))
+  if getattr(cfg, "dual_clip_c", None) is not None:
+    ell = jnp.where(adv < 0, jnp.minimum(ell, -cfg.dual_clip_c * adv), ell)
+  return ell
+
+
+# ------------------------------------------------------------------ grpo
+
+def grpo_token_terms(batch: TrainBatch, cfg: GRPOConfig) -> PGTerms:
+  return _pg_parts(batch, cfg, "old_logp", "grpo")[0]
+
+
+def grpo_token_loss(logp: jax.Array, terms: PGTerms, cfg: GRPOConfig) -> jax.Array:
+  live, logp, base = _prepare(logp, terms)
+  ell = terms.corr_bt * _ppo_clip(jnp.exp(logp - base), terms.adv_bt, cfg)
+  return _with_kl(ell, logp, live, terms, cfg)
+
+
+def _fill_old(batch: TrainBatch, logp_bt: jax.Array) -> TrainBatch:
+  if batch.old_logp is None:
+    return dataclasses.replace(batch, old_logp=sg(logp_bt))
+  return batch
+
+
+def _common_metrics(logp_bt, batch, cfg, corr, loss, count, pg_loss) -> Metrics:
+  sg_logp = sg(logp_bt)
+  metrics = {"loss": weighted(loss * count, count), "pg_loss": weighted(pg_loss * count, count),
+             "nll": agg.token_mean_metric(-sg_logp, batch)}
+  if batch.ref_logp is not None:
+    metrics["kl"] = agg.token_mean_metric(
+        kl_estimate(sg_logp, jnp.where(batch.loss_mask > 0, batch.ref_logp, sg_logp),
+                    cfg.kl_estimator), batch)
+  metrics.update(off_policy.correction_metrics(
+      sg_logp, batch, None if cfg.correction == "none" else corr))
+  return metrics
+
+
+def _ratio_metrics(ratio_bt, adv_bt, batch, cfg) -> Metrics:
+  out = {"ratio_mean": agg.token_mean_metric(ratio_bt, batch),
+         "clip_frac_low": agg.token_mean_metric(
+             ((ratio_bt < 1.0 - cfg.eps_low) & (adv_bt < 0)).astype(jnp.float32), batch),
+         "clip_frac_high": agg.token_mean_metric(
+             ((ratio_bt > 1.0 + cfg.eps_high) & (adv_bt > 0)).astype(jnp.float32), batch)}
+  if getattr(cfg, "dual_clip_c", None) is not None:
+    out["dual_clip_frac"] = agg.token_mean_metric(
+        ((ratio_bt > cfg.dual_clip_c) & (adv_bt < 0)).astype(jnp.float32), batch)
+  return out
+
+
+@register_loss("grpo", GRPOConfig, token_terms=grpo_token_terms, token_loss=grpo_token_loss)
+def grpo_loss(logp_bt: jax.Array, batch: TrainBatch, cfg: GRPOConfig):
+  """PPO-clip GRPO loss; see the module docstring."""
+  batch = _fill_old(batch, logp_bt)
+  terms, corr = _pg_parts(batch, cfg, "old_logp", "grpo")
+  loss = jnp.sum(grpo_token_loss(logp_bt, terms, cfg))
+  _, count = agg.aggregation_weights(cfg.aggregation, batch, cfg.max_len)
+  live, logp, base = _prepare(sg(logp_bt), terms)
+  ratio = jnp.exp(logp - base)
+  pg_loss = jnp.sum(jnp.where(live, terms.weight_bt * terms.corr_bt
+                              * _ppo_clip(ratio, terms.adv_bt, cfg), 0.0))
+  metrics = _common_metrics(logp_bt, batch, cfg, corr, loss, count, pg_loss)
+  metrics.update(_ratio_metrics(ratio, terms.adv_bt, batch, cfg))
+  return loss, metrics
+
+
+# ------------------------------------------------------------------ cispo
+
+def _cispo_base(cfg: CISPOConfig) -> str:
+  return "old_logp" if cfg.ratio_base == "old" else "behaviour_logp"
+
+
+def cispo_token_terms(batch: TrainBatch, cfg: CISPOConfig) -> PGTerms:
+  return _pg_parts(batch, cfg, _cispo_base(cfg), "cispo")[0]
+
+
+def _cispo_weight(ratio, cfg):
+  return jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+
+
+def cispo_token_loss(logp: jax.Array, terms: PGTerms, cfg: CISPOConfig) -> jax.Array:
+  live, logp, base = _prepare(logp, terms)
+  is_weight = sg(_cispo_weight(jnp.exp(logp - base), cfg))
+  ell = terms.corr_bt * (-terms.adv_bt * is_weight * logp)
+  return _with_kl(ell, logp, live, terms, cfg)
+
+
+@register_loss("cispo", CISPOConfig, token_terms=cispo_token_terms, token_loss=cispo_token_loss)
+def cispo_loss(logp_bt: jax.Array, batch: TrainBatch, cfg: CISPOConfig):
+  """CISPO loss; see the module docstring."""
+  batch = _fill_old(batch, logp_bt)
+  terms, corr = _pg_parts(batch, cfg, _cispo_base(cfg), "cispo")
+  loss = jnp.sum(cispo_token_loss(logp_bt, terms, cfg))
+  _, count = agg.aggregation_weights(cfg.aggregation, batch, cfg.max_len)
+  live, logp, base = _prepare(sg(logp_bt), terms)
+  ratio = jnp.exp(logp - base)
+  pg_loss = jnp.sum(jnp.where(live, terms.weight_bt * terms.corr_bt
+                              * (-terms.adv_bt * _cispo_weight(ratio, cfg) * logp), 0.0))
+  metrics = _common_metrics(logp_bt, batch, cfg, corr, loss, count, pg_loss)
+  metrics["ratio_mean"] = agg.token_mean_metric(ratio, batch)
+  metrics["clip_frac_low"] = agg.token_mean_metric(
+      (ratio < 1.0 - cfg.eps_low).astype(jnp.float32), batch)
+  metrics["clip_frac_high"] = agg.token_mean_metric(
+      (ratio > 1.0 + cfg.eps_high).astype(jnp.float32), batch)
+  return loss, metrics
+
+
+# ------------------------------------------------------------------ gspo
+
+@register_loss("gspo", GSPOConfig)
+def gspo_loss(logp_bt: jax.Array, batch: TrainBatch, cfg: GSPOConfig):
+  """GSPO loss (not separable: one ratio per sequence); see the module docstring."""
+  live = batch.loss_mask > 0
+  logp = jnp.where(live, logp_bt, 0.0)
+  base = sg(logp) if batch.old_logp is None else jnp.where(live, sg(batch.old_logp), 0.0)
+  len_s = agg.seq_lengths(batch)
+  inv_len_s = jnp.where(len_s > 0, 1.0 / jnp.maximum(len_s, 1.0), 0.0)
+  keep_s = agg.nonempty_seqs(batch)
+  n = jnp.sum(keep_s)
+  inv_n = jnp.where(n > 0, 1.0 / jnp.maximum(n, 1.0), 0.0)
+
+  ratio_s = jnp.exp(agg.seq_sum(logp - base, batch) * inv_len_s)
+  adv_s = agg.seq_sum(sg(batch.advantages), batch) * inv_len_s
+  ell_s = _ppo_clip(ratio_s, adv_s, cfg)
+  pg_loss = jnp.sum(keep_s * ell_s) * inv_n
+  loss = pg_loss
+  if cfg.kl_coef > 0:
+    ref = jnp.where(live, batch_field(batch, "ref_logp", "loss 'gspo' with kl_coef > 0"), 0.0)
+    kl_s = agg.seq_sum(kl_estimate(logp, ref, cfg.kl_estimator), batch) * inv_len_s
+    loss = loss + cfg.kl_coef * jnp.sum(keep_s * kl_s) * inv_n
+  count = sg(n)
+
+  sg_logp = sg(logp_bt)
+  ratio_sg = sg(ratio_s)
+  seq_metric = lambda x_s: weighted(jnp.sum(keep_s * x_s), n)
+  metrics = {"loss": weighted(loss * count, count), "pg_loss": weighted(pg_loss * count, count),
+             "nll": agg.token_mean_metric(-sg_logp, batch),
+             "ratio_mean": seq_metric(ratio_sg),
+             "clip_frac_low": seq_metric(((ratio_sg < 1 - cfg.eps_low) & (adv_s < 0)) * 1.0),
+             "clip_frac_high": seq_metric(((ratio_sg > 1 + cfg.eps_high) & (adv_s > 0)) * 1.0)}
+  if batch.ref_logp is not None:
+    metrics["kl"] = agg.token_mean_metric(
+        kl_estimate(sg_logp, jnp.where(live, batch.ref_logp, sg_logp), cfg.kl_estimator), batch)
+  metrics.update(off_policy.correction_metrics(sg_logp, batch, None))
+  return loss, metrics
