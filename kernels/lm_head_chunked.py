@@ -6,9 +6,9 @@ Two loop orders, chosen for what each pass must keep:
   token chunks inside. Per-row state (online max / sum / ...) is [N]-sized, each W tile is
   sliced once, dW tile j is accumulated locally ([D, tile]) and written once, dh ([N, D] fp32)
   is updated in place. Temporaries: a few [token_chunk, vocab_tile] fp32 tiles.
-* the fused-loss pass (`fused_loss`): token chunks outside. A chunk's full logit row block
-  [fused_token_chunk, V] is computed by one matmul and kept, its log-sum-exp and log-probs are
-  then known, g = dloss/dlogp is evaluated, and dh / dW are accumulated from the kept block in
+* the fused-loss pass (`fused_loss`): token chunks outside. A chunk's logit row block
+  [fused_token_chunk, V] is computed tile by tile and kept; after the row its log-sum-exp and
+  log-probs are known, g = dloss/dlogp is evaluated, and dh / dW are accumulated from the kept block in
   vocabulary tiles (Liger-style): 6·N·D·V FLOPs, temporaries [chunk, V] fp32 (+ tiles).
 
 V need not be a multiple of the tile: the last, narrower tile is a second static loop body.
@@ -267,10 +267,21 @@ def fused_loss(h, w, y, mask, token_loss_fn, aux, *, inv_tau: float, transposed:
     hc, yc, mc, aux_split = x
     it = iter(aux_split)
     aux_c = jax.tree.unflatten(aux_def, [next(it) if s else a for a, s in zip(aux_leaves, split)])
-    raw = logits_tile(hc, w, tr)  # [nc, V] fp32, the one kept logit block
-    z = raw * inv_tau
-    zy = jnp.take_along_axis(z, jnp.clip(yc, 0, vocab - 1)[:, None], axis=1)[:, 0]
-    logp, lse, _ = online_softmax.finalize(*online_softmax.block_stats(z), zy)
+    # Pass 1 over vocab tiles: the chunk's logits go into `raw` ([nc, V] fp32, the one kept
+    # block) while the online softmax statistics and the target logit are updated.
+    def stats_tile(carry, start, width):
+      raw, m, r, a, zy = carry
+      zt = logits_tile(hc, slice_vocab(w, start, width, tr), tr) * inv_tau
+      loc = yc - start
+      inside = (loc >= 0) & (loc < width)
+      pick = jnp.take_along_axis(zt, jnp.clip(loc, 0, width - 1)[:, None], axis=1)[:, 0]
+      raw = lax.dynamic_update_slice_in_dim(raw, zt, start, axis=1)
+      return (raw, *online_softmax.update(m, r, a, zt), zy + jnp.where(inside, pick, 0.0))
+
+    init = (jnp.zeros((nc, vocab), jnp.float32), *online_softmax.init((nc,)),
+            jnp.zeros((nc,), jnp.float32))
+    raw, m, r, a, zy = for_each_tile(vocab, bs.vocab_tile, stats_tile, init)
+    logp, lse, _ = online_softmax.finalize(m, r, a, zy)
     logp = jnp.where(mc, logp, 0.0)
     ell, vjp = jax.vjp(lambda lp: token_loss_fn(lp, aux_c), logp)
     (g,) = vjp(jnp.ones_like(ell))
@@ -280,7 +291,7 @@ def fused_loss(h, w, y, mask, token_loss_fn, aux, *, inv_tau: float, transposed:
     def tile(carry, start, width):
       dh_c, dw = carry
       wt = slice_vocab(w, start, width, tr)
-      zt = lax.dynamic_slice_in_dim(raw, start, width, axis=1) * inv_tau
+      zt = lax.dynamic_slice_in_dim(raw, start, width, axis=1)  # already divided by tau
       s = (sparse_onehot(yc[:, None], g[:, None], start, width)
            - jnp.exp(zt - lse[:, None]) * g[:, None]) * inv_tau
       dh_c = dh_c + dh_tile(s, wt, tr)

@@ -102,7 +102,7 @@ def topk_logprobs(h_nd, w, ht_nd, wt, *, k: int, temperature: float = 1.0, mask_
 def teacher_divergence(h_nd, w, ht_nd, wt, *, kind: str = "jsd", beta: float = 0.5,
                        temperature: float = 1.0, mask_n=None, transposed: bool = False,
                        teacher_transposed: bool = False):
-  """Per-token divergence [N] between student S and (stop-gradient) teacher T; see lm_head docs."""
+  """Per-token divergence [N] between student S and (stop-gradient) teacher T; see teacher.py."""
   m = _mask(mask_n, h_nd.shape[0])
   ls = log_softmax(logits(h_nd, w, temperature=temperature, transposed=transposed))[0]
   lt = log_softmax(logits(jax.lax.stop_gradient(ht_nd), jax.lax.stop_gradient(wt),
