@@ -53,8 +53,8 @@ def test_loads_in_transformers_and_ours(family, tmp_path):
     ref = hf(torch.tensor(x)).logits.numpy()
   h, _ = ours(jnp.asarray(x), jnp.arange(x.shape[1])[None])
   assert np.abs(np.asarray(ours.logits(h)) - ref).max() <= 1e-4
-  assert ours.cfg.eos_token_id == [tok.convert_tokens_to_ids("<|im_end|>"),
-                                   tok.convert_tokens_to_ids("<|endoftext|>")]
+  assert ours.cfg.eos_token_id == (tok.convert_tokens_to_ids("<|im_end|>"),
+                                   tok.convert_tokens_to_ids("<|endoftext|>"))
 
 
 def test_given_weights(tmp_path):

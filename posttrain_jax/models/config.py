@@ -50,13 +50,15 @@ class ModelConfig:
   tie_word_embeddings: bool = False  # LM head = embedding^T
   max_position_embeddings: int = 4096  # longest context the RoPE tables are built for
   bos_token_id: Optional[int] = None
-  eos_token_id: Any = None        # int or list of ints, as HF writes it
+  eos_token_id: Any = None        # int or tuple of ints (HF lists become tuples: hashable)
   pad_token_id: Optional[int] = None
   param_dtype: str = "float32"    # storage dtype of parameters
   compute_dtype: str = "float32"  # dtype of matmuls/activations; norms and softmax stay fp32
   remat: bool = False             # recompute each block's activations in the backward pass
 
   def __post_init__(self):
+    if isinstance(self.eos_token_id, list):
+      object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
     if self.num_heads % self.num_kv_heads:
       raise ConfigError(f"num_attention_heads={self.num_heads} is not a multiple of "
                         f"num_key_value_heads={self.num_kv_heads}")
@@ -177,7 +179,8 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
       "tie_word_embeddings": cfg.tie_word_embeddings,
       "max_position_embeddings": cfg.max_position_embeddings,
       "bos_token_id": cfg.bos_token_id,
-      "eos_token_id": cfg.eos_token_id,
+      "eos_token_id": (list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple)
+                       else cfg.eos_token_id),
       "pad_token_id": cfg.pad_token_id,
       "torch_dtype": cfg.param_dtype,
       "dtype": cfg.param_dtype,

@@ -214,6 +214,15 @@ class Decoder(nnx.Module):
     new_cache = KVCache(k=tuple(ks), v=tuple(vs), segment_ids=kv_seg, index=cache.index + t)
     return self.norm(x), new_cache
 
+  def head(self) -> tuple[jax.Array, bool]:
+    """(weight, transposed): [D, V] untied head, or the [V, D] embedding with transposed=True.
+
+    The layout the fused LM-head kernels take, so a tied head is never copied.
+    """
+    if self.lm_head is None:
+      return self.embed_tokens[...], True
+    return self.lm_head.kernel[...], False
+
   def lm_head_weight(self) -> jax.Array:
     """The LM head as [D, V] (the embedding transposed when tied)."""
     if self.lm_head is None:

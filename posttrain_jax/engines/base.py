@@ -1,0 +1,49 @@
+"""The rollout-engine protocol: generate with token ids + log-probs, update weights, version.
+
+Every engine (embedded JAX sampler, vLLM in-process, an OpenAI-compatible server) returns
+the token ids it actually sampled and the log-prob of each under the distribution it sampled
+from, tagged with the weights version that produced them. Training uses exactly these ids.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Protocol, Sequence
+
+
+class EngineError(RuntimeError):
+  """Our side failed (engine crash, unreachable server): an infra error, never a reward of 0."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How to sample; hashable so jitted samplers can specialise on it."""
+  max_tokens: int = 64            # new tokens per completion
+  temperature: float = 1.0        # 0 = greedy
+  top_p: float = 1.0              # nucleus mass kept (1 = off)
+  top_k: int = 0                  # keep the k most likely tokens (0 = off)
+  stop_token_ids: tuple[int, ...] = ()  # sampling a stop token ends the completion (it is kept)
+
+
+@dataclasses.dataclass
+class Completion:
+  """One sampled continuation of a prompt."""
+  token_ids: list[int]            # sampled ids, a final stop token included
+  logprobs: list[float]           # log-prob of each sampled id (see the engine for which distribution)
+  finish_reason: str              # "stop" (stop token) | "length" (max_tokens reached)
+  version: int                    # policy version of the weights that sampled it
+
+
+class Engine(Protocol):
+  """What actors need from a rollout engine."""
+
+  @property
+  def version(self) -> int: ...
+
+  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, n: int = 1,
+               seed: Optional[int] = None) -> list[list[Completion]]:
+    """`n` completions per prompt (token-id prompts), in prompt order."""
+    ...
+
+  def update_weights(self, weights: Any, version: int) -> None:
+    """Installs new weights; later generations report `version`."""
+    ...

@@ -1,0 +1,149 @@
+"""Embedded sampler: batched, jitted decoding with a KV cache on the learner's own params.
+
+Prompts are left-padded to a bucketed length P (padding has segment id 0, so it is never
+attended) and replicated n times; one jitted call runs the prefill and a `while_loop` of
+single-token steps until every row has sampled a stop token or `max_tokens` tokens.
+
+Returned log-probs: for temperature tau > 0, `log softmax(z / tau)[y]` -- the temperature-
+scaled distribution *before* top-k / top-p truncation, which is exactly what the learner
+computes at the same temperature (and exactly the sampling distribution when top_k = 0 and
+top_p = 1). For greedy decoding (tau = 0) they are `log softmax(z)[y]`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posttrain_jax.engines.base import Completion, EngineError, SamplingParams
+from posttrain_jax.models.decoder import Decoder, init_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxSamplerConfig:
+  """Shapes the sampler compiles for (bucketing keeps recompiles rare)."""
+  max_prompt_len: int = 256       # longer prompts are an error naming the prompt
+  prompt_bucket: int = 16         # prompt length is padded up to a multiple of this
+  batch_bucket: int = 8           # rows are padded up to a multiple of this
+  pad_id: int = 0                 # id written into padding slots (never attended)
+
+
+def _round_up(x: int, m: int) -> int:
+  return max(m, int(math.ceil(x / m)) * m)
+
+
+def _sample(logits_bv, rng, sp: SamplingParams):
+  """Next ids and their log-probs (see module docstring for the distribution)."""
+  logits_bv = logits_bv.astype(jnp.float32)
+  if sp.temperature == 0:
+    ids = jnp.argmax(logits_bv, axis=-1)
+    return ids, jnp.take_along_axis(jax.nn.log_softmax(logits_bv), ids[:, None], -1)[:, 0]
+  z = logits_bv / sp.temperature
+  logp = jax.nn.log_softmax(z)
+  masked = z
+  if sp.top_k > 0:
+    kth = jax.lax.top_k(z, sp.top_k)[0][:, -1:]
+    masked = jnp.where(z < kth, -jnp.inf, masked)
+  if sp.top_p < 1.0:
+    sorted_z = jnp.sort(masked, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_z, axis=-1)
+    cum_before = jnp.cumsum(probs, axis=-1) - probs
+    cutoff = jnp.min(jnp.where(cum_before < sp.top_p, sorted_z, jnp.inf), axis=-1, keepdims=True)
+    masked = jnp.where(masked < cutoff, -jnp.inf, masked)
+  ids = jax.random.categorical(rng, masked, axis=-1)
+  return ids, jnp.take_along_axis(logp, ids[:, None], -1)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sp"))
+def _generate(graphdef, params, prompt_bp, seg_bp, rng, *, sp: SamplingParams):
+  model: Decoder = nnx.merge(graphdef, params)
+  b, p = prompt_bp.shape
+  cache = init_cache(model.cfg, b, p + sp.max_tokens)
+  pos_bp = jnp.maximum(jnp.cumsum(seg_bp, axis=1) - 1, 0)
+  hidden, cache = model(prompt_bp, pos_bp, seg_bp, cache)
+  logits = model.logits(hidden[:, -1])
+  stops = jnp.asarray(sp.stop_token_ids or (-1,), jnp.int32)
+  next_pos = jnp.sum(seg_bp, axis=1)
+
+  tokens = jnp.zeros((b, sp.max_tokens), jnp.int32)
+  logps = jnp.zeros((b, sp.max_tokens), jnp.float32)
+  done = jnp.zeros((b,), bool)
+  lengths = jnp.zeros((b,), jnp.int32)
+
+  def cond(carry):
+    step, _, _, _, _, _, done, _, _ = carry
+    return (step < sp.max_tokens) & ~jnp.all(done)
+
+  def body(carry):
+    step, cache, logits, tokens, logps, lengths, done, rng, pos = carry
+    rng, sub = jax.random.split(rng)
+    ids, lp = _sample(logits, sub, sp)
+    live = ~done
+    tokens = tokens.at[:, step].set(jnp.where(live, ids, 0))
+    logps = logps.at[:, step].set(jnp.where(live, lp, 0.0))
+    lengths = lengths + live
+    done = done | (live & jnp.isin(ids, stops))
+    hidden, cache = model(ids[:, None], pos[:, None], live.astype(jnp.int32)[:, None], cache)
+    return (step + 1, cache, model.logits(hidden[:, 0]), tokens, logps, lengths, done, rng,
+            pos + 1)
+
+  carry = (jnp.zeros((), jnp.int32), cache, logits, tokens, logps, lengths, done, rng, next_pos)
+  _, _, _, tokens, logps, lengths, done, _, _ = jax.lax.while_loop(cond, body, carry)
+  return tokens, logps, lengths, done
+
+
+class JaxSampler:
+  """The default engine: decodes with the learner's params in this process."""
+
+  def __init__(self, model: Decoder, cfg: JaxSamplerConfig = JaxSamplerConfig(), version: int = 0):
+    self.cfg = cfg
+    self._graphdef, params = nnx.split(model, nnx.Param)
+    self._params = params
+    self._version = version
+
+  @property
+  def version(self) -> int:
+    return self._version
+
+  def update_weights(self, weights: Any, version: int) -> None:
+    """`weights`: a Decoder or its nnx.Param state (same structure). No copy is made."""
+    if isinstance(weights, Decoder):
+      weights = nnx.state(weights, nnx.Param)
+    self._params = weights
+    self._version = version
+
+  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, n: int = 1,
+               seed: Optional[int] = None) -> list[list[Completion]]:
+    if not prompts:
+      return []
+    for i, prompt in enumerate(prompts):
+      if not 0 < len(prompt) <= self.cfg.max_prompt_len:
+        raise EngineError(f"prompt {i} has {len(prompt)} tokens; the sampler accepts 1.."
+                          f"{self.cfg.max_prompt_len} (JaxSamplerConfig.max_prompt_len)")
+    rows = [list(p) for p in prompts for _ in range(n)]
+    b = _round_up(len(rows), self.cfg.batch_bucket)
+    p = _round_up(max(len(r) for r in rows), self.cfg.prompt_bucket)
+    ids = np.full((b, p), self.cfg.pad_id, np.int32)
+    seg = np.zeros((b, p), np.int32)
+    for r, row in enumerate(rows):
+      ids[r, p - len(row):] = row
+      seg[r, p - len(row):] = 1
+    seg[len(rows):, -1] = 1  # filler rows decode a pad token; their output is dropped
+    rng = jax.random.key(np.random.SeedSequence(seed).generate_state(1)[0] if seed is not None
+                         else np.random.randint(2**31))
+    tokens, logps, lengths, done = jax.device_get(
+        _generate(self._graphdef, self._params, ids, seg, rng, sp=sampling))
+    out = []
+    for r in range(len(rows)):
+      n_tok = int(lengths[r])
+      out.append(Completion(token_ids=tokens[r, :n_tok].tolist(),
+                            logprobs=logps[r, :n_tok].astype(float).tolist(),
+                            finish_reason="stop" if done[r] else "length",
+                            version=self._version))
+    return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
