@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from loss_testing import (Seq, check_invariances, check_separable, from_bt, layout, loss_value_and_grad, one_per_row,
+from loss_testing import (Seq, check_invariances, check_separable, from_bt, two_rows, layout, loss_value_and_grad, one_per_row,
                           random_seqs, ref_correction, ref_gspo, ref_pg, to_bt)
 from posttrain_jax.losses import CISPOConfig, GRPOConfig, GSPOConfig, TISConfig
 
@@ -149,7 +149,7 @@ def test_pg_matches_numpy_reference(kind, cls, case):
   if cls is CISPOConfig:
     kw.pop("dual_clip_c", None)
   cfg = cls(**kw)
-  seqs = random_seqs(np.random.default_rng(10 + case), 6, spread=0.5)
+  seqs = random_seqs(np.random.default_rng(10 + case), spread=0.5)
   want, want_grad = ref_pg(seqs, kind, **_ref_kwargs(cfg, seqs))
   with jax.enable_x64(True):
     lay = layout(seqs, one_per_row(seqs), dtype=np.float64)
@@ -164,7 +164,7 @@ def test_pg_matches_numpy_reference(kind, cls, case):
     (dict(), 5e-4),
     (dict(kl_coef=0.2, kl_estimator="k3", eps_low=0.05, eps_high=0.05), 0.1)])
 def test_gspo_matches_numpy_reference(kw, spread):
-  seqs = random_seqs(np.random.default_rng(20), 8, spread=spread)
+  seqs = random_seqs(np.random.default_rng(20), spread=spread)
   cfg = GSPOConfig(**kw)
   want, want_grad = ref_gspo(seqs, **kw)
   with jax.enable_x64(True):
@@ -193,21 +193,21 @@ INV_CASES = [
 
 @pytest.mark.parametrize("name, cfg", INV_CASES)
 def test_packed_equals_unpacked_and_microbatched_equals_full(name, cfg):
-  seqs = random_seqs(np.random.default_rng(30), 7, spread=0.3)
-  check_invariances(name, cfg, seqs, row_len=14, split=4)
+  seqs = random_seqs(np.random.default_rng(30), spread=0.3)
+  check_invariances(name, cfg, seqs, split=4)
 
 
 @pytest.mark.parametrize("name, cfg", [c for c in INV_CASES if c[0] != "gspo"])
 def test_separable_form(name, cfg):
-  seqs = random_seqs(np.random.default_rng(32), 5, spread=0.5)
-  lay = layout(seqs, [[0, 1, 2], [3, 4]], 20)
+  seqs = random_seqs(np.random.default_rng(32), spread=0.5)
+  lay = two_rows(seqs)
   check_separable(name, cfg, lay, to_bt(lay, [s.logp for s in seqs]))
 
 
 def test_separable_form_on_policy():
   """old_logp None: token_terms leaves the base None and token_loss uses sg(logp)."""
-  seqs = random_seqs(np.random.default_rng(33), 4)
-  lay = layout(seqs, [[0, 1], [2, 3]], 20, fields=("ref",))
+  seqs = random_seqs(np.random.default_rng(33))
+  lay = layout(seqs, [[0, 1, 2], [3, 4, 5]], 3 * 8, fields=("ref",))
   check_separable("grpo", GRPOConfig(kl_coef=0.1), lay, to_bt(lay, [s.logp for s in seqs]))
 
 
@@ -222,6 +222,6 @@ def test_grpo_config_errors():
     CISPOConfig(kl_estimator="k5")
   with pytest.raises(ValueError, match="ratio_base"):
     CISPOConfig(ratio_base="ref")
-  seqs = random_seqs(np.random.default_rng(34), 2)
+  seqs = random_seqs(np.random.default_rng(34))
   with pytest.raises(ValueError, match="batch.ref_logp"):
     _run("grpo", GRPOConfig(kl_coef=0.1), seqs, fields=("old", "beh"))

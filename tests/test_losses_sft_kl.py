@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loss_testing import (Seq, check_invariances, check_separable, from_bt, layout, loss_value_and_grad, one_per_row,
+from loss_testing import (Seq, check_invariances, check_separable, from_bt, two_rows, layout, loss_value_and_grad, one_per_row,
                           random_seqs, ref_agg_weights, ref_kl, to_bt)
 from posttrain_jax.losses import LOSSES, KLConfig, SFTConfig, get_loss
 
@@ -75,7 +75,7 @@ def test_kl_against_teacher_field():
 
 @pytest.mark.parametrize("aggregation", AGGS)
 def test_sft_matches_numpy_reference(aggregation):
-  seqs = random_seqs(np.random.default_rng(1), 6)
+  seqs = random_seqs(np.random.default_rng(1))
   w = ref_agg_weights(seqs, aggregation, max_len=7)
   want = sum(float(np.sum(-wi * s.logp)) for wi, s in zip(w, seqs))
   with jax.enable_x64(True):
@@ -90,7 +90,7 @@ def test_sft_matches_numpy_reference(aggregation):
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_kl_matches_numpy_reference(estimator):
-  seqs = random_seqs(np.random.default_rng(2), 6)
+  seqs = random_seqs(np.random.default_rng(2))
   w = ref_agg_weights(seqs, "seq_mean_token_mean")
   want, want_grad = 0.0, []
   for wi, s in zip(w, seqs):
@@ -121,13 +121,13 @@ CASES = [("sft", SFTConfig(aggregation=a, max_len=9)) for a in AGGS] + [
 
 @pytest.mark.parametrize("name, cfg", CASES)
 def test_packed_equals_unpacked_and_microbatched_equals_full(name, cfg):
-  check_invariances(name, cfg, random_seqs(np.random.default_rng(3), 7), row_len=14, split=3)
+  check_invariances(name, cfg, random_seqs(np.random.default_rng(3)), split=3)
 
 
 @pytest.mark.parametrize("name, cfg", CASES)
 def test_separable_form(name, cfg):
-  seqs = random_seqs(np.random.default_rng(5), 5)
-  lay = layout(seqs, [[0, 1], [2, 3, 4]], 20, extra_seq_slots=1)
+  seqs = random_seqs(np.random.default_rng(5))
+  lay = two_rows(seqs)
   check_separable(name, cfg, lay, to_bt(lay, [s.logp for s in seqs]))
 
 
@@ -169,7 +169,7 @@ def test_config_errors_name_the_choices():
 
 
 def test_missing_batch_field_is_named():
-  seqs = random_seqs(np.random.default_rng(6), 2)
+  seqs = random_seqs(np.random.default_rng(6))
   lay = layout(seqs, one_per_row(seqs), fields=("old",))
   with pytest.raises(ValueError, match="batch.ref_logp"):
     loss_value_and_grad("kl", KLConfig(), lay, to_bt(lay, [s.logp for s in seqs]))

@@ -1,0 +1,220 @@
+"""Advantages from graded trajectories: group baselines (GRPO, Dr.GRPO, RLOO) and baselines for
+single trajectories (a running per-task mean, or none).
+
+For a group g (the G samples of one prompt / env seed) with rewards R_1..R_G:
+
+    grpo     A_i = (R_i − mean_g R) / (std_g R + eps)      DeepSeekMath (Shao et al. 2024)
+             std with `std_ddof` degrees of freedom: 1 by default (the sample std, what
+             torch.std computes in TRL, verl and OpenRLHF); 0 gives the population std
+    drgrpo   A_i = R_i − mean_g R                          Dr.GRPO (Liu et al. 2025), no std
+    rloo     A_i = R_i − mean_{j≠i} R_j = G/(G−1)·(R_i − mean_g R)   RLOO (Ahmadian et al. 2024)
+
+For single trajectories (BYOH; no group):
+
+    running  A_i = R_i − b_task, b_task an EMA of the task's past rewards (rate `baseline_rate`),
+             kept in an explicit `BaselineState` that the caller threads through (and checkpoints).
+             Every trajectory of one call uses the state from before the call; a task not seen
+             yet uses the EMA over all tasks; before any reward at all, A = 0.
+    none     A_i = 0 (for losses whose signal is elsewhere, e.g. distillation)
+
+Rules (ARCHITECTURE.md, REFERENCES.md "failure semantics"):
+- A group whose rewards are all equal (a group of one included) has no signal: every member
+  gets A = 0 exactly and the group is counted in `zero_var_group_frac`; we never divide by eps.
+  eps only guards groups whose rewards differ.
+- `infra_error` trajectories are *ours* to fix: they are left out of every statistic (group
+  means, stds, sizes, running baselines) and get no advantage: `keep` is False and the
+  advantage is NaN, so a batch builder that forgot to drop them fails loudly.
+- `timeout` and `truncated` trajectories are ordinary members with the grader's reward (0 for
+  a timeout): dropping them would reward running out the clock on hard problems.
+Simplifications: rewards are scalars per trajectory (a per-token advantage is the batch
+builder's broadcast); no whitening across groups; no reward clipping.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posttrain_jax.registry import Registry
+from posttrain_jax.types import Status, Trajectory
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+  """How rewards become advantages."""
+  estimator: str = "grpo"               # a name in ADVANTAGE_ESTIMATORS: grpo | drgrpo | rloo | running | none
+  std_ddof: int = 1                     # grpo's std: 1 = sample std (TRL / verl), 0 = population std
+  eps: float = 1e-6                     # grpo: added to std (only groups with unequal rewards)
+  baseline_rate: float = 0.1            # running: EMA rate, b ← b + rate·(R − b)
+
+  def __post_init__(self):
+    ADVANTAGE_ESTIMATORS.get(self.estimator)
+    if self.std_ddof not in (0, 1):
+      raise ValueError(f"AdvantageConfig.std_ddof must be 0 or 1, got {self.std_ddof}")
+    if self.eps < 0:
+      raise ValueError(f"AdvantageConfig.eps must be ≥ 0, got {self.eps}")
+    if not 0.0 < self.baseline_rate <= 1.0:
+      raise ValueError(f"AdvantageConfig.baseline_rate must be in (0, 1], got {self.baseline_rate}")
+
+
+# ------------------------------------------------------------------ array level (jit-able)
+
+def group_stats(rewards_n: jax.Array, group_idx_n: jax.Array, valid_n: jax.Array,
+                num_groups: int):
+  """(size_g, mean_g, zero_var_g) over valid members; zero_var_g is True for groups whose
+  members all have the same reward (exactly), groups of one included; empty groups are False."""
+  valid_n = jnp.asarray(valid_n, bool)
+  r = jnp.where(valid_n, jnp.asarray(rewards_n, jnp.float32), 0.0)
+  size_g = jax.ops.segment_sum(valid_n.astype(jnp.float32), group_idx_n, num_groups)
+  mean_g = jax.ops.segment_sum(r, group_idx_n, num_groups) / jnp.maximum(size_g, 1.0)
+  hi_g = jax.ops.segment_max(jnp.where(valid_n, r, -jnp.inf), group_idx_n, num_groups)
+  lo_g = jax.ops.segment_min(jnp.where(valid_n, r, jnp.inf), group_idx_n, num_groups)
+  zero_var_g = (size_g > 0) & (hi_g == lo_g)
+  return size_g, mean_g, zero_var_g
+
+
+def _group_advantages(kind: str):
+  def fn(rewards_n, group_idx_n, valid_n, num_groups: int, *, std_ddof: int = 1,
+         eps: float = 1e-6) -> tuple[jax.Array, jax.Array]:
+    valid_n = jnp.asarray(valid_n, bool)
+    r = jnp.where(valid_n, jnp.asarray(rewards_n, jnp.float32), 0.0)
+    size_g, mean_g, zero_var_g = group_stats(r, group_idx_n, valid_n, num_groups)
+    dev_n = r - mean_g[group_idx_n]
+    signal_n = valid_n & ~zero_var_g[group_idx_n]
+    size_n = size_g[group_idx_n]
+    if kind == "grpo":
+      var_g = jax.ops.segment_sum(jnp.where(valid_n, dev_n ** 2, 0.0), group_idx_n, num_groups)
+      var_g = var_g / jnp.maximum(size_g - std_ddof, 1.0)
+      adv_n = dev_n / (jnp.sqrt(var_g)[group_idx_n] + eps)
+    elif kind == "drgrpo":
+      adv_n = dev_n
+    else:  # rloo; a group with unequal rewards has at least 2 members
+      adv_n = dev_n * size_n / jnp.maximum(size_n - 1.0, 1.0)
+    return jnp.where(signal_n, adv_n, 0.0), zero_var_g
+  fn.__name__ = f"{kind}_advantages"
+  fn.__doc__ = (f"{kind} advantages over groups given as indices in [0, num_groups): returns "
+                "(adv_n, zero_var_g); invalid members and zero-variance groups get 0.")
+  return fn
+
+
+grpo_advantages = _group_advantages("grpo")
+drgrpo_advantages = _group_advantages("drgrpo")
+rloo_advantages = _group_advantages("rloo")
+
+
+# ------------------------------------------------------------------ single trajectories
+
+@dataclasses.dataclass(frozen=True)
+class BaselineState:
+  """The running per-task baseline; never mutated (`running_baseline_advantages` returns a new one)."""
+  task_means: Mapping[str, float] = dataclasses.field(default_factory=dict)  # EMA per task_id
+  global_mean: Optional[float] = None   # EMA over every reward seen; None before the first
+
+
+def running_baseline_advantages(rewards: Sequence[float], task_ids: Sequence[str],
+                                state: BaselineState, rate: float
+                                ) -> tuple[np.ndarray, BaselineState, int]:
+  """(A_n, new state, number of tasks not seen before); see the module docstring."""
+  adv = np.zeros(len(rewards), np.float32)
+  unseen = set()
+  for i, (r, task) in enumerate(zip(rewards, task_ids)):
+    if task in state.task_means:
+      baseline = state.task_means[task]
+    else:
+      unseen.add(task)
+      baseline = r if state.global_mean is None else state.global_mean
+    adv[i] = r - baseline
+  means, global_mean = dict(state.task_means), state.global_mean
+  for r, task in zip(rewards, task_ids):
+    means[task] = r if task not in means else means[task] + rate * (r - means[task])
+    global_mean = r if global_mean is None else global_mean + rate * (r - global_mean)
+  return adv, BaselineState(means, global_mean), len(unseen)
+
+
+# ------------------------------------------------------------------ registry
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorSpec:
+  name: str
+  kind: str                             # "group" | "running" | "none"
+  group_fn: Optional[Callable] = None   # for kind "group": one of the *_advantages above
+
+
+ADVANTAGE_ESTIMATORS: Registry[EstimatorSpec] = Registry("advantage estimator")
+for _name, _fn in (("grpo", grpo_advantages), ("drgrpo", drgrpo_advantages),
+                   ("rloo", rloo_advantages)):
+  ADVANTAGE_ESTIMATORS.register(_name)(EstimatorSpec(_name, "group", _fn))
+ADVANTAGE_ESTIMATORS.register("running")(EstimatorSpec("running", "running"))
+ADVANTAGE_ESTIMATORS.register("none")(EstimatorSpec("none", "none"))
+
+
+# ------------------------------------------------------------------ trajectories
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageResult:
+  """Per-trajectory advantages, in the order given."""
+  advantages: np.ndarray                # float32 [N]; NaN where keep is False
+  keep: np.ndarray                      # bool [N]; False for infra_error: the batch builder drops it
+  stats: dict[str, float]               # see compute_advantages
+  group_sizes: dict[str, int]           # group_id -> members counted (infra errors excluded)
+  state: Optional[BaselineState] = None  # the running baseline after this call ("running" only)
+
+
+def compute_advantages(trajectories: Sequence[Trajectory], cfg: AdvantageConfig = AdvantageConfig(),
+                       state: Optional[BaselineState] = None) -> AdvantageResult:
+  """Advantages for a list of trajectories (groups identified by `group_id`).
+
+  stats: num_trajectories, infra_excluded, infra_error_frac, num_groups (groups with at least
+  one counted member), zero_var_groups, zero_var_group_frac (of num_groups; 0 when there are
+  none), group_size_min / _mean / _max, and for "running" unseen_tasks.
+  """
+  spec = ADVANTAGE_ESTIMATORS.get(cfg.estimator)
+  n = len(trajectories)
+  keep = np.array([t.status is not Status.INFRA_ERROR for t in trajectories], bool)
+  kept = [t for t, k in zip(trajectories, keep) if k]
+  if spec.kind != "none":
+    for t in kept:
+      if t.reward is None:
+        raise ValueError(f"trajectory {t.id!r} (status {t.status.value}) has no reward; "
+                         f"estimator {cfg.estimator!r} needs one (grade it, or mark it infra_error)")
+  stats: dict[str, float] = {"num_trajectories": float(n), "infra_excluded": float(n - len(kept)),
+                             "infra_error_frac": (n - len(kept)) / n if n else 0.0}
+  advantages = np.full(n, np.nan, np.float32)
+  group_sizes: dict[str, int] = {}
+  new_state = None
+
+  if spec.kind == "group":
+    missing = [t.id for t in kept if t.group_id is None]
+    if missing:
+      raise ValueError(f"estimator {cfg.estimator!r} needs group_id on every trajectory; "
+                       f"{missing[:5]} have none (use 'running' or 'none' for single trajectories)")
+    group_names = sorted({t.group_id for t in kept})
+    index = {g: i for i, g in enumerate(group_names)}
+    if kept:
+      rewards = np.array([t.reward for t in kept], np.float32)
+      idx = np.array([index[t.group_id] for t in kept], np.int32)
+      adv, zero_var_g = spec.group_fn(rewards, idx, np.ones(len(kept), bool), len(group_names),
+                                      std_ddof=cfg.std_ddof, eps=cfg.eps)
+      advantages[keep] = np.asarray(adv)
+      zero_var_g = np.asarray(zero_var_g)
+      sizes = np.bincount(idx, minlength=len(group_names))
+    else:
+      zero_var_g, sizes = np.zeros(0, bool), np.zeros(0, int)
+    group_sizes = {g: int(s) for g, s in zip(group_names, sizes)}
+    stats.update(num_groups=float(len(group_names)), zero_var_groups=float(zero_var_g.sum()),
+                 zero_var_group_frac=float(zero_var_g.mean()) if len(group_names) else 0.0,
+                 group_size_min=float(sizes.min()) if len(sizes) else 0.0,
+                 group_size_mean=float(sizes.mean()) if len(sizes) else 0.0,
+                 group_size_max=float(sizes.max()) if len(sizes) else 0.0)
+  elif spec.kind == "running":
+    adv, new_state, unseen = running_baseline_advantages(
+        [t.reward for t in kept], [t.task_id for t in kept], state or BaselineState(),
+        cfg.baseline_rate)
+    advantages[keep] = adv
+    stats["unseen_tasks"] = float(unseen)
+  else:
+    advantages[keep] = 0.0
+  return AdvantageResult(advantages, keep, stats, group_sizes, new_state)
