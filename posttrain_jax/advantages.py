@@ -34,8 +34,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping, Optional, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from posttrain_jax.registry import Registry
@@ -45,8 +43,8 @@ from posttrain_jax.types import Status, Trajectory
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
   """How rewards become advantages."""
-  estimator: str = "grpo"               # a name in ADVANTAGE_ESTIMATORS: grpo | drgrpo | rloo | running | none
-  std_ddof: int = 1                     # grpo's std: 1 = sample std (TRL / verl), 0 = population std
+  estimator: str = "grpo"               # grpo | drgrpo | rloo | running | none (the registry)
+  std_ddof: int = 1                     # grpo's std: 1 = sample std (TRL, verl), 0 = population
   eps: float = 1e-6                     # grpo: added to std (only groups with unequal rewards)
   baseline_rate: float = 0.1            # running: EMA rate, b ← b + rate·(R − b)
 
@@ -60,43 +58,47 @@ class AdvantageConfig:
       raise ValueError(f"AdvantageConfig.baseline_rate must be in (0, 1], got {self.baseline_rate}")
 
 
-# ------------------------------------------------------------------ array level (jit-able)
+# ------------------------------------------------------------------ array level (NumPy, float64)
+# Host-side on purpose: advantages are computed once per batch by the batch builder, on shapes
+# that change every step (no compile), in float64 (then cast to float32).
 
-def group_stats(rewards_n: jax.Array, group_idx_n: jax.Array, valid_n: jax.Array,
-                num_groups: int):
+def group_stats(rewards_n, group_idx_n, valid_n, num_groups: int):
   """(size_g, mean_g, zero_var_g) over valid members; zero_var_g is True for groups whose
-  members all have the same reward (exactly), groups of one included; empty groups are False."""
-  valid_n = jnp.asarray(valid_n, bool)
-  r = jnp.where(valid_n, jnp.asarray(rewards_n, jnp.float32), 0.0)
-  size_g = jax.ops.segment_sum(valid_n.astype(jnp.float32), group_idx_n, num_groups)
-  mean_g = jax.ops.segment_sum(r, group_idx_n, num_groups) / jnp.maximum(size_g, 1.0)
-  hi_g = jax.ops.segment_max(jnp.where(valid_n, r, -jnp.inf), group_idx_n, num_groups)
-  lo_g = jax.ops.segment_min(jnp.where(valid_n, r, jnp.inf), group_idx_n, num_groups)
+  members all have exactly the same reward (groups of one included); empty groups are False."""
+  valid_n = np.asarray(valid_n, bool)
+  idx = np.asarray(group_idx_n, np.int64)
+  r = np.where(valid_n, np.asarray(rewards_n, np.float64), 0.0)
+  size_g = np.bincount(idx, weights=valid_n.astype(np.float64), minlength=num_groups)
+  mean_g = np.bincount(idx, weights=r, minlength=num_groups) / np.maximum(size_g, 1.0)
+  hi_g, lo_g = np.full(num_groups, -np.inf), np.full(num_groups, np.inf)
+  np.maximum.at(hi_g, idx[valid_n], r[valid_n])
+  np.minimum.at(lo_g, idx[valid_n], r[valid_n])
   zero_var_g = (size_g > 0) & (hi_g == lo_g)
   return size_g, mean_g, zero_var_g
 
 
 def _group_advantages(kind: str):
   def fn(rewards_n, group_idx_n, valid_n, num_groups: int, *, std_ddof: int = 1,
-         eps: float = 1e-6) -> tuple[jax.Array, jax.Array]:
-    valid_n = jnp.asarray(valid_n, bool)
-    r = jnp.where(valid_n, jnp.asarray(rewards_n, jnp.float32), 0.0)
-    size_g, mean_g, zero_var_g = group_stats(r, group_idx_n, valid_n, num_groups)
-    dev_n = r - mean_g[group_idx_n]
-    signal_n = valid_n & ~zero_var_g[group_idx_n]
-    size_n = size_g[group_idx_n]
+         eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+    valid_n = np.asarray(valid_n, bool)
+    idx = np.asarray(group_idx_n, np.int64)
+    r = np.where(valid_n, np.asarray(rewards_n, np.float64), 0.0)
+    size_g, mean_g, zero_var_g = group_stats(r, idx, valid_n, num_groups)
+    dev_n = r - mean_g[idx]
+    signal_n = valid_n & ~zero_var_g[idx]
+    size_n = size_g[idx]
     if kind == "grpo":
-      var_g = jax.ops.segment_sum(jnp.where(valid_n, dev_n ** 2, 0.0), group_idx_n, num_groups)
-      var_g = var_g / jnp.maximum(size_g - std_ddof, 1.0)
-      adv_n = dev_n / (jnp.sqrt(var_g)[group_idx_n] + eps)
+      var_g = np.bincount(idx, weights=np.where(valid_n, dev_n ** 2, 0.0), minlength=num_groups)
+      std_g = np.sqrt(var_g / np.maximum(size_g - std_ddof, 1.0))
+      adv_n = dev_n / (std_g[idx] + eps)
     elif kind == "drgrpo":
       adv_n = dev_n
     else:  # rloo; a group with unequal rewards has at least 2 members
-      adv_n = dev_n * size_n / jnp.maximum(size_n - 1.0, 1.0)
-    return jnp.where(signal_n, adv_n, 0.0), zero_var_g
+      adv_n = dev_n * size_n / np.maximum(size_n - 1.0, 1.0)
+    return np.where(signal_n, adv_n, 0.0).astype(np.float32), zero_var_g
   fn.__name__ = f"{kind}_advantages"
   fn.__doc__ = (f"{kind} advantages over groups given as indices in [0, num_groups): returns "
-                "(adv_n, zero_var_g); invalid members and zero-variance groups get 0.")
+                "(adv_n float32, zero_var_g); invalid members and zero-variance groups get 0.")
   return fn
 
 
@@ -109,7 +111,7 @@ rloo_advantages = _group_advantages("rloo")
 
 @dataclasses.dataclass(frozen=True)
 class BaselineState:
-  """The running per-task baseline; never mutated (`running_baseline_advantages` returns a new one)."""
+  """The running per-task baseline; never mutated (each update returns a new state)."""
   task_means: Mapping[str, float] = dataclasses.field(default_factory=dict)  # EMA per task_id
   global_mean: Optional[float] = None   # EMA over every reward seen; None before the first
 
@@ -157,7 +159,7 @@ ADVANTAGE_ESTIMATORS.register("none")(EstimatorSpec("none", "none"))
 class AdvantageResult:
   """Per-trajectory advantages, in the order given."""
   advantages: np.ndarray                # float32 [N]; NaN where keep is False
-  keep: np.ndarray                      # bool [N]; False for infra_error: the batch builder drops it
+  keep: np.ndarray                      # bool [N]; False (infra_error): the batch builder drops it
   stats: dict[str, float]               # see compute_advantages
   group_sizes: dict[str, int]           # group_id -> members counted (infra errors excluded)
   state: Optional[BaselineState] = None  # the running baseline after this call ("running" only)
@@ -179,7 +181,7 @@ def compute_advantages(trajectories: Sequence[Trajectory], cfg: AdvantageConfig 
     for t in kept:
       if t.reward is None:
         raise ValueError(f"trajectory {t.id!r} (status {t.status.value}) has no reward; "
-                         f"estimator {cfg.estimator!r} needs one (grade it, or mark it infra_error)")
+                         f"estimator {cfg.estimator!r} needs one (grade it or mark it infra_error)")
   stats: dict[str, float] = {"num_trajectories": float(n), "infra_excluded": float(n - len(kept)),
                              "infra_error_frac": (n - len(kept)) / n if n else 0.0}
   advantages = np.full(n, np.nan, np.float32)
@@ -194,12 +196,11 @@ def compute_advantages(trajectories: Sequence[Trajectory], cfg: AdvantageConfig 
     group_names = sorted({t.group_id for t in kept})
     index = {g: i for i, g in enumerate(group_names)}
     if kept:
-      rewards = np.array([t.reward for t in kept], np.float32)
+      rewards = np.array([t.reward for t in kept], np.float64)
       idx = np.array([index[t.group_id] for t in kept], np.int32)
       adv, zero_var_g = spec.group_fn(rewards, idx, np.ones(len(kept), bool), len(group_names),
                                       std_ddof=cfg.std_ddof, eps=cfg.eps)
-      advantages[keep] = np.asarray(adv)
-      zero_var_g = np.asarray(zero_var_g)
+      advantages[keep] = adv
       sizes = np.bincount(idx, minlength=len(group_names))
     else:
       zero_var_g, sizes = np.zeros(0, bool), np.zeros(0, int)

@@ -120,7 +120,8 @@ def layout(seqs: Sequence[Seq], rows: list[list[int]], row_len: Optional[int] = 
   if dtype == np.float64:   # np_batch casts to float32; keep float64 for x64 references
     floats = {"loss_mask": mask, "advantages": adv, "seq_valid": seq_valid,
               **{k: v for k, v in opt.items() if k in chosen}}
-    batch = dataclasses.replace(batch, **{k: jnp.asarray(v, jnp.float64) for k, v in floats.items()})
+    batch = dataclasses.replace(batch,
+                                **{k: jnp.asarray(v, jnp.float64) for k, v in floats.items()})
   return Layout(batch, where, (b, row_len))
 
 

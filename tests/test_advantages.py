@@ -57,10 +57,11 @@ def test_group_estimators_hand(estimator, ddof, g1, g4):
 
 
 def test_zero_variance_never_divides_by_eps():
-  # Equal rewards whose float32 mean is not exactly 0.9 (R − mean = ±6e-8): dividing by
-  # std + eps would give ±6e4 here.
-  res = compute_advantages([_traj("g", 0.9), _traj("g", 0.9), _traj("g", 0.9)],
-                           AdvantageConfig(eps=1e-12))
+  # Equal rewards whose float64 mean is not exactly 0.7 (R − mean ≈ 1e-16): dividing by
+  # std + eps would give ±1e4 here.
+  assert np.full(3, 0.7).sum() / 3 != 0.7
+  res = compute_advantages([_traj("g", 0.7), _traj("g", 0.7), _traj("g", 0.7)],
+                           AdvantageConfig(eps=1e-20))
   np.testing.assert_array_equal(res.advantages, 0.0)
   assert res.stats["zero_var_group_frac"] == 1.0
   # Nearly equal (but different) rewards: finite, bounded by eps.

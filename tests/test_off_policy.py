@@ -112,7 +112,8 @@ def test_decoupled_ppo_hand():
 
 
 def test_cispo_with_correction_hand():
-  # CISPO with r = 1: ℓ = −A·1·logp; TIS weights 0.3, 1, 2 | 1.5, 0.4; logp = −1, −1.1, −1.2 | −1, −1.1.
+  # CISPO with r = 1: ℓ = −A·1·logp; TIS weights 0.3, 1, 2 | 1.5, 0.4;
+  # logp = −1, −1.1, −1.2 | −1, −1.1.
   loss, _, grad = _run("cispo", CISPOConfig(correction="tis"), HAND)
   c = np.array([0.3, 1.0, 2.0, 1.5, 0.4])
   lp = np.array([-1.0, -1.1, -1.2, -1.0, -1.1])

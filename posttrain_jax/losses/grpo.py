@@ -25,9 +25,9 @@ to carry it for the separable path, and the loss function fills it with stop_gra
 
 Simplifications: the advantage is whatever the batch carries per token (GSPO averages it over
 the sequence's sampled tokens, which equals A_i for the usual broadcast advantage); GSPO takes
-no off-policy correction (its one ratio per sequence is already the sequence-level weight), and
-its KL term is aggregated per sequence like its policy term; the correction does not weight the
-KL term. Metrics (weighted pairs): loss, pg_loss, clip_frac_low / clip_frac_high (tokens, or
+no off-policy correction yet (its loss is per sequence and the corrections give per-token
+weights) and its KL term is aggregated per sequence like its policy term; a correction never
+weights the KL term. Metrics (weighted pairs): loss, pg_loss, clip_frac_low / clip_frac_high (tokens, or
 sequences for GSPO, where the clip removed the gradient), dual_clip_frac, ratio_mean, kl (token
 mean of the chosen estimator, whenever batch.ref_logp is given), nll (mean −log π_θ), and the
 correction/* metrics of losses/off_policy.py.
@@ -66,12 +66,12 @@ class GRPOConfig:
   eps_low: float = 0.2                  # ratio clipped below at 1 − eps_low
   eps_high: float = 0.28                # ratio clipped above at 1 + eps_high (DAPO clip-higher)
   dual_clip_c: Optional[float] = None   # dual-clip c for A < 0 (3.0 in verl); None = off
-  aggregation: str = "token_mean"       # "token_mean" | "seq_mean_token_mean" | "seq_mean_token_sum_norm"
-  max_len: Optional[int] = None         # L_max, the Dr.GRPO constant; needed by seq_mean_token_sum_norm
-  kl_coef: float = 0.0                  # β of the KL-to-reference term; 0 = no term (ref not needed)
+  aggregation: str = "token_mean"       # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+  max_len: Optional[int] = None         # L_max of Dr.GRPO; needed by seq_mean_token_sum_norm
+  kl_coef: float = 0.0                  # β of the KL-to-reference term; 0 = none, ref not needed
   kl_estimator: str = "k3"              # "k1" | "k2" | "k3", x = log π_ref − log π_θ
   correction: str = "none"              # a name in losses.off_policy.CORRECTIONS
-  correction_cfg: Any = None            # that correction's config (e.g. TISConfig(cap=2.0)); None = defaults
+  correction_cfg: Any = None            # its config, e.g. TISConfig(cap=2.0); None = defaults
 
   def __post_init__(self):
     _validate_pg(self)
@@ -81,13 +81,13 @@ class GRPOConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CISPOConfig:
-  """CISPO: clipped, stop-gradient IS weight times log π_θ; same aggregation/KL/correction as grpo."""
+  """CISPO: clipped stop-gradient IS weight × log π_θ; aggregation/KL/correction as grpo."""
   eps_low: float = 1.0                  # weight clipped below at 1 − eps_low (1.0: no lower clip)
   eps_high: float = 5.0                 # weight clipped above at 1 + eps_high
   ratio_base: str = "old"               # r_t = π_θ / π_old ("old") or π_θ / μ ("behaviour")
-  aggregation: str = "token_mean"       # "token_mean" | "seq_mean_token_mean" | "seq_mean_token_sum_norm"
-  max_len: Optional[int] = None         # L_max, the Dr.GRPO constant; needed by seq_mean_token_sum_norm
-  kl_coef: float = 0.0                  # β of the KL-to-reference term; 0 = no term
+  aggregation: str = "token_mean"       # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+  max_len: Optional[int] = None         # L_max of Dr.GRPO; needed by seq_mean_token_sum_norm
+  kl_coef: float = 0.0                  # β of the KL-to-reference term; 0 = none
   kl_estimator: str = "k3"              # "k1" | "k2" | "k3", x = log π_ref − log π_θ
   correction: str = "none"              # a name in losses.off_policy.CORRECTIONS
   correction_cfg: Any = None            # that correction's config; None = its defaults

@@ -11,16 +11,18 @@ weighted). Registered corrections, with their defaults:
                                                               efficient RL framework secretly
                                                               brings you off-policy RL", 2025)
     seq_tis    c_t = min(Π_{t∈i} ρ_t, C), C = 5, one weight per sequence i
-    mis        c_t = ρ_t if lo ≤ ρ_t ≤ hi else 0, [0.5, 2]    masked IS; optional veto drops the
-                                                              whole sequence if any ρ_t < veto (1e-4)
+    mis        c_t = ρ_t if lo ≤ ρ_t ≤ hi else 0, [0.5, 2]    masked IS; optional veto drops
+                                                              the whole sequence if any ρ_t < veto
+                                                              (e.g. 1e-4)
     icepop     c_t = ρ_t if α ≤ ρ_t ≤ β else 0, [0.5, 5]      IcePop (Ring-1T; NeMo-RL's range)
     geo_mask   c_t = 1 if lo ≤ exp(mean_{t∈i} log ρ_t) ≤ hi else 0, [0.99, 1.01], per sequence
-    decoupled  c_t = ρ_t (= π_prox/μ), 0 where ρ_t > cap (cap None = never)   AReaL's decoupled
-                                                              PPO: with the PPO ratio u = π_θ/π_prox
-                                                              this is E_μ[(π_prox/μ)·min(uA, clip(u)A)]
-    m2po       c_t = 0 for the tokens with the largest d_t = (log π_old − log μ)², removed largest
-                                                              first until the mean d of the rest is
-                                                              < τ = 0.04; 1 elsewhere (M2PO, 2025)
+    decoupled  c_t = ρ_t (= π_prox/μ), 0 where ρ_t > cap      AReaL's decoupled PPO (cap None =
+                                                              keep all): with the PPO ratio
+                                                              u = π_θ/π_prox this is
+                                                              E_μ[(π_prox/μ)·min(uA, clip(u)A)]
+    m2po       c_t = 0 for the tokens with the largest        M2PO (2025); 1 elsewhere
+               d_t = (log π_old − log μ)², removed largest first until the mean d of the rest
+               is < τ = 0.04
 
 Everything is computed from batch fields only (`token_terms` time), so a GRPO loss stays
 separable in log π_θ. What we simplified, and why:
