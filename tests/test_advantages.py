@@ -180,3 +180,21 @@ def test_none_estimator_and_errors():
     assert name in str(e.value)
   with pytest.raises(ValueError, match="std_ddof"):
     AdvantageConfig(std_ddof=2)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "drgrpo", "rloo"])
+def test_order_invariance_and_empty_input(estimator):
+  """Shuffling the trajectories shuffles the advantages the same way and nothing else."""
+  rng = np.random.default_rng(9)
+  groups, rewards = rng.integers(0, 4, 20), rng.integers(0, 3, 20)   # integers: exact sums
+  trajs = [_traj(f"g{g}", float(r)) for g, r in zip(groups, rewards)]
+  trajs += [_traj("g0", None, Status.INFRA_ERROR)]
+  cfg = AdvantageConfig(estimator=estimator)
+  res = compute_advantages(trajs, cfg)
+  perm = rng.permutation(len(trajs))
+  res_p = compute_advantages([trajs[i] for i in perm], cfg)
+  np.testing.assert_array_equal(res_p.advantages, res.advantages[perm])
+  assert res_p.stats == res.stats and res_p.group_sizes == res.group_sizes
+  empty = compute_advantages([], cfg)
+  assert empty.advantages.shape == (0,) and empty.stats["num_groups"] == 0
+  assert empty.stats["zero_var_group_frac"] == 0.0
