@@ -20,7 +20,8 @@ weighted). Registered corrections, with their defaults:
                                                               keep all): with the PPO ratio
                                                               u = π_θ/π_prox this is
                                                               E_μ[(π_prox/μ)·min(uA, clip(u)A)]
-    m2po       c_t = 0 for the tokens with the largest        M2PO (2025); 1 elsewhere
+    m2po       c_t = 0 for the tokens with the largest        M2PO ("Prosperity before Collapse",
+                                                              Zheng et al. 2025); 1 elsewhere
                d_t = (log π_old − log μ)², removed largest first until the mean d of the rest
                is < τ = 0.04
 
@@ -32,7 +33,7 @@ separable in log π_θ. What we simplified, and why:
   accumulation each micro-batch gets its own mask (micro-batched ≠ full batch for m2po only).
 - `decoupled` masks tokens above the cap (as AReaL's `behav_imp_weight_cap` does) rather than
   truncating them; `tis` is the truncating variant.
-- Weights that do not depend on π_θ get no gradient; no V-trace (value baselines are not here).
+- Every weight is a constant (stop-gradient); no V-trace (value baselines are not here).
 
 Reported metrics (all weighted pairs over sampled tokens, prefix "correction/"): abs_logp_diff
 = mean |log π_θ − log μ|; kl_behaviour_k3 = mean of exp(x) − 1 − x with x = log π_θ − log μ
