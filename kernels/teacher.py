@@ -125,7 +125,8 @@ def _topk_fwd(k, inv_tau, transposed, teacher_transposed, bs, h, w, ht, wt, mask
     cat_i = jnp.concatenate([ids, ti.astype(jnp.int32) + start], axis=1)
     cat_t = jnp.concatenate([tvals, tt], axis=1)
     vals, sel = lax.top_k(cat_v, k)
-    return (*online_softmax.update(ms, rs, as_, z_s), *online_softmax.update(mt, rt, at, z_t),
+    return (*online_softmax.update(ms, rs, as_, z_s, entropy=False, separate_reductions=True),
+            *online_softmax.update(mt, rt, at, z_t, entropy=False, separate_reductions=True),
             vals, jnp.take_along_axis(cat_i, sel, axis=1), jnp.take_along_axis(cat_t, sel, axis=1))
 
   ms, rs, _, mt, rt, _, vals, ids, tvals = chunked_lib.tiled_pass(
@@ -200,7 +201,8 @@ def _divergence_fwd(kind, beta, inv_tau, transposed, teacher_transposed, bs, h, 
   heads = (chunked_lib.Head(h, w, transposed), chunked_lib.Head(ht, wt, teacher_transposed))
 
   def stats_fn(zs, _, st, start, width):
-    return (*online_softmax.update(*st[:3], zs[0]), *online_softmax.update(*st[3:], zs[1]))
+    kw = dict(entropy=False, separate_reductions=True)
+    return (*online_softmax.update(*st[:3], zs[0], **kw), *online_softmax.update(*st[3:], zs[1], **kw))
 
   st = chunked_lib.tiled_pass(heads, (), (*_stats_state(n), *_stats_state(n)), stats_fn,
                               inv_tau=inv_tau, bs=bs)
