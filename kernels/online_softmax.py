@@ -52,7 +52,7 @@ def update(m, r, a, z, *, keepdims: bool = False, entropy: bool = True,
   zz, mm, _ = barrier(z, m_new, l_tile)
   below = jnp.minimum((col(mm) - zz) * 1e30, 1.0)  # 0 at the max, 1 below it
   s0 = red(jnp.exp(zz - col(mm)) * below)
-  ties = jnp.round(l_tile - s0)
+  ties = (l_tile - s0 + 0.5).astype(jnp.int32).astype(jnp.float32)  # round (Triton has no round)
   l = 1.0 + r
   r_new = jnp.where(m_new > m, c * l + s0 + (ties - 1.0), r + s0 + ties)
   if not entropy:
