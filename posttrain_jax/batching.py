@@ -5,7 +5,7 @@ tokens[:-1], target_ids = tokens[1:], loss_mask = loss_mask[1:] (1 only where th
 sampled by the policy), behaviour log-probs shifted the same way. The token ids are the ones
 the engine sampled: nothing is re-tokenised here.
 
-Packing is first-fit in the given order into `rows` rows of `seq_len` positions; each sequence
+Packing is first-fit decreasing (longest sequence first) into `rows` rows of `seq_len` positions; each sequence
 gets its own segment id (positions restart at 0) and a global `seq_ids` index, so sequence-level
 losses give the same value packed or not. Shapes are fixed by the config, so the learner's jit
 compiles once. Sequences that do not fit are an error naming the trajectory (never truncated:
@@ -48,7 +48,9 @@ def build_batch(trajs: Sequence[Trajectory], advantages: Sequence[float], cfg: B
   mask, adv, beh = f32(), f32(), f32()
   fill = [0] * r
   nseg = [0] * r
-  for s, (traj, a) in enumerate(zip(trajs, advantages)):
+  order = sorted(range(len(trajs)), key=lambda i: -len(trajs[i].token_ids))
+  for s in order:
+    traj, a = trajs[s], advantages[s]
     n = len(traj.token_ids) - 1
     if n < 1:
       raise BatchError(f"trajectory {traj.id!r} has {n + 1} tokens; need at least 2")

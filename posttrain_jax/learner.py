@@ -202,9 +202,16 @@ class Learner:
     self.tx = make_optimizer(cfg.optimizer)
     self.schedule = learning_rate_schedule(cfg.optimizer)
     opt_state = jax.jit(self.tx.init)(params)
-    self.state = TrainState(params=params, opt_state=opt_state,
-                            step=jnp.zeros((), jnp.int32), rng=jax.random.key(cfg.seed))
-    self._state_sharding = jax.tree.map(lambda x: x.sharding, self.state)
+    state = TrainState(params=params, opt_state=opt_state,
+                       step=jnp.zeros((), jnp.int32), rng=jax.random.key(cfg.seed))
+    # Every leaf committed to an explicit sharding (scalars replicated), so the state the step
+    # returns has the same signature as the one it took: one compilation, not two.
+    replicated = (NamedSharding(mesh, P()) if mesh is not None
+                  else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    self._state_sharding = jax.tree.map(
+        lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding)
+        else replicated, state)
+    self.state = jax.device_put(state, self._state_sharding)
     self._step = jax.jit(
         functools.partial(train_step, graphdef=self.graphdef, tx=self.tx, spec=self.spec,
                           loss_cfg=self.loss_cfg, cfg=cfg),

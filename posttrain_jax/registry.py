@@ -30,8 +30,11 @@ class Registry(Generic[T]):
       return self._items[name]
     except KeyError:
       raise KeyError(
-          f"unknown {self.kind} {name!r}; registered {self.kind}s: {', '.join(self.names())}"
+          f"unknown {self.kind} {name!r}; registered {self._plural()}: {', '.join(self.names())}"
       ) from None
+
+  def _plural(self) -> str:
+    return self.kind + ("es" if self.kind.endswith("s") else "s")
 
   def names(self) -> list[str]:
     return sorted(self._items)

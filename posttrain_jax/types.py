@@ -57,7 +57,7 @@ class Trajectory:
   reward: Optional[float] = None
   feedback: Optional[str] = None
   status: Status = Status.OK
-  metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+  metrics: dict[str, Any] = dataclasses.field(default_factory=dict)  # latencies, counts, errors
   schema_version: int = SCHEMA_VERSION
 
   def __post_init__(self):

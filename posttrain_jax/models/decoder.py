@@ -120,14 +120,16 @@ class Attention(nnx.Module):
       k = jax.lax.dynamic_update_slice(k_all, k.astype(k_all.dtype), (0, index, 0, 0))
       v = jax.lax.dynamic_update_slice(v_all, v.astype(v_all.dtype), (0, index, 0, 0))
     new_kv = (k, v)
-    group = self.num_heads // self.num_kv_heads
-    q = q.reshape(b, t, self.num_kv_heads, group, self.head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype),
-                        preferred_element_type=jnp.float32) * (self.head_dim ** -0.5)
-    scores = jnp.where(mask_bts[:, None, None], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(q.dtype))
-    out = out.reshape(b, t, self.num_heads * self.head_dim)
+    # GQA: the G query heads of a kv head are stacked along the query axis, so each score
+    # matmul is one [G*T, hd] x [hd, S] product per (batch, kv head) -- fewer, larger matmuls.
+    kv, group, hd, s_len = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim, k.shape[1]
+    q = q.reshape(b, t, kv, group, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, group * t, hd)
+    scores = jnp.einsum("bkqd,bskd->bkqs", q, k.astype(q.dtype),
+                        preferred_element_type=jnp.float32) * (hd ** -0.5)
+    scores = jnp.where(mask_bts[:, None, None], scores.reshape(b, kv, group, t, s_len), _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, group * t, s_len)
+    out = jnp.einsum("bkqs,bskd->bkqd", probs, v.astype(q.dtype))
+    out = out.reshape(b, kv, group, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, kv * group * hd)
     return self.o_proj(out), new_kv
 
 

@@ -1,0 +1,30 @@
+"""The default run: a tiny model built locally learns 2-digit addition (no downloads).
+
+SFT warm-start on reference answers, then GRPO with the embedded JAX sampler. Every field of
+`posttrain_jax.run_config.RunConfig` can be overridden from the command line, e.g.
+`--config.rl.steps=50 --config.rl.learner.optimizer.learning_rate=1e-4`.
+"""
+from posttrain_jax.run_config import base_config
+
+
+def get_config():
+  c = base_config()
+  c.workdir = "runs/default"
+  c.model.tiny.update(family="qwen3", vocab_size=512, hidden_size=128, intermediate_size=384,
+                      num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, seed=0)
+  c.tasks.update(source="synthetic", generator="arithmetic", seed=0, eval_fraction=0.05,
+                 eval_size=256)
+  c.tasks.generator_config = dict(min_digits=1, max_digits=2, num_operands=2, ops="+",
+                                  allow_negative=False)
+  c.sft.update(steps=600, batch_size=64)
+  c.sft.learner.optimizer.update(learning_rate=3e-3, warmup_steps=20, decay_steps=600,
+                                 end_lr_ratio=0.1)
+  c.sft.batch.update(rows=64, seq_len=32, max_seqs=64, pack=False)
+  c.rl.update(steps=150, prompts_per_step=32)
+  c.rl.rollout.update(group_size=8, max_tokens=12, temperature=1.0)
+  c.rl.learner.optimizer.update(learning_rate=1e-4, warmup_steps=5)
+  c.rl.loss = dict(eps_low=0.2, eps_high=0.28, aggregation="token_mean")
+  c.rl.batch.update(rows=256, seq_len=32, max_seqs=256, pack=False)
+  c.eval.update(every_steps=50, samples_per_prompt=4, temperature=1.0, max_tokens=12)
+  c.checkpoint.update(every_steps=50, max_to_keep=2)
+  return c

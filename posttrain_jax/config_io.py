@@ -1,0 +1,135 @@
+"""Nested dicts (ml_collections ConfigDicts, JSON) <-> frozen config dataclasses, type-checked.
+
+`from_dict(RunConfig, d)` builds the dataclass tree, checking every value against its field's
+annotation; a wrong type or an unknown key raises `ConfigTypeError` naming the full field path
+(`config.rl.learner.optimizer.learning_rate: expected float, got str 'fast'`). Fields typed
+`Any` whose class depends on a sibling (a loss's config depends on the loss name) are resolved
+through `dynamic`: {(owner class, field name): fn(sibling values) -> class}.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Callable, Mapping, Optional, Union
+
+
+class ConfigTypeError(TypeError):
+  """A config value of the wrong type, or an unknown field; names the field path."""
+
+
+def _is_dc(cls) -> bool:
+  return isinstance(cls, type) and dataclasses.is_dataclass(cls)
+
+
+def _type_name(tp) -> str:
+  return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value, tp, path: str, dynamic):
+  origin = typing.get_origin(tp)
+  if tp is Any:
+    return value
+  if origin in (Union, types.UnionType):
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+      return None
+    errors = []
+    for arg in args:
+      if arg is type(None):
+        continue
+      try:
+        return _convert(value, arg, path, dynamic)
+      except ConfigTypeError as e:
+        errors.append(str(e))
+    raise ConfigTypeError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+  if _is_dc(tp):
+    if isinstance(value, tp):
+      return value
+    if not isinstance(value, Mapping):
+      raise ConfigTypeError(f"{path}: expected a {tp.__name__} (a dict of its fields), got "
+                            f"{type(value).__name__} {value!r}")
+    return from_dict(tp, value, path, dynamic)
+  if origin in (tuple, list):
+    if not isinstance(value, (tuple, list)):
+      raise ConfigTypeError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    args = typing.get_args(tp)
+    if origin is tuple and args and args[-1] is not Ellipsis:
+      if len(args) != len(value):
+        raise ConfigTypeError(f"{path}: expected {len(args)} items, got {len(value)}")
+      items = [_convert(v, a, f"{path}[{i}]", dynamic) for i, (v, a) in enumerate(zip(value, args))]
+    else:
+      item_tp = args[0] if args else Any
+      items = [_convert(v, item_tp, f"{path}[{i}]", dynamic) for i, v in enumerate(value)]
+    return tuple(items) if origin is tuple else items
+  if origin is dict:
+    if not isinstance(value, Mapping):
+      raise ConfigTypeError(f"{path}: expected a dict, got {type(value).__name__} {value!r}")
+    return dict(value)
+  if tp is float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise ConfigTypeError(f"{path}: expected float, got {type(value).__name__} {value!r}")
+    return float(value)
+  if tp is int:
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise ConfigTypeError(f"{path}: expected int, got {type(value).__name__} {value!r}")
+    return value
+  if tp in (str, bool):
+    if not isinstance(value, tp):
+      raise ConfigTypeError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+  return value
+
+
+def from_dict(cls, d: Mapping[str, Any], path: str = "config",
+              dynamic: Optional[Mapping[tuple[type, str], Callable[[Mapping], type]]] = None):
+  """Builds dataclass `cls` from `d` (missing keys keep their defaults)."""
+  dynamic = dynamic or {}
+  d = dict(d)
+  hints = typing.get_type_hints(cls)
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(d) - names)
+  if unknown:
+    raise ConfigTypeError(f"{path}: unknown field(s) {unknown}; {cls.__name__} has {sorted(names)}")
+  kwargs = {}
+  for f in dataclasses.fields(cls):
+    if f.name not in d:
+      continue
+    value, tp = d[f.name], hints[f.name]
+    resolver = dynamic.get((cls, f.name))
+    if resolver is not None and isinstance(value, Mapping):
+      siblings = {g.name: getattr(_defaults(cls), g.name, None) for g in dataclasses.fields(cls)
+                  if _has_default(g)}
+      try:
+        tp = resolver({**siblings, **d})
+      except KeyError as e:
+        raise ConfigTypeError(f"{path}.{f.name}: {e.args[0]}") from None
+    kwargs[f.name] = _convert(value, tp, f"{path}.{f.name}", dynamic)
+  try:
+    return cls(**kwargs)
+  except (ValueError, TypeError, KeyError) as e:
+    if isinstance(e, ConfigTypeError):
+      raise
+    raise ConfigTypeError(f"{path}: {e}") from None
+
+
+def _has_default(f: dataclasses.Field) -> bool:
+  return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+
+
+def _defaults(cls):
+  try:
+    return cls()
+  except TypeError:
+    return None
+
+
+def to_dict(obj) -> Any:
+  """A config dataclass tree as plain JSON-able dicts (for logs and checkpoints)."""
+  if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+  if isinstance(obj, (list, tuple)):
+    return [to_dict(v) for v in obj]
+  if isinstance(obj, dict):
+    return {k: to_dict(v) for k, v in obj.items()}
+  return obj

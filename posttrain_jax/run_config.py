@@ -1,0 +1,135 @@
+"""`RunConfig`: the whole synchronous run (model, tasks, SFT warm-start, GRPO, eval, checkpoints).
+
+Each field is a component's own config dataclass; `configs/*.py` build them as ConfigDicts
+and `launch/train.py` turns flags into a RunConfig through `run_config_from_dict`, which
+type-checks every field and names the one that is wrong.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+from posttrain_jax.actors.rollout import RolloutConfig
+from posttrain_jax.advantages import AdvantageConfig
+from posttrain_jax.batching import BatchConfig
+from posttrain_jax.checkpoint import CheckpointConfig
+from posttrain_jax.config_io import from_dict
+from posttrain_jax.envs import GENERATORS, TaskBankConfig
+from posttrain_jax.learner import LearnerConfig, OptimizerConfig
+from posttrain_jax.losses import CISPOConfig, GRPOConfig, get_loss
+from posttrain_jax.losses.off_policy import CORRECTIONS
+from posttrain_jax.models.tiny import TinyModelConfig
+from posttrain_jax.sharding import MeshConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+  """Where the initial weights come from."""
+  path: Optional[str] = None      # a HF model directory; None = build the tiny model below
+  tiny: TinyModelConfig = TinyModelConfig()  # the locally built model (no downloads)
+  param_dtype: str = "float32"    # master weights
+  compute_dtype: str = "float32"  # activations / matmuls
+  remat: bool = False             # recompute block activations in the backward pass
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTPhaseConfig:
+  """Supervised warm-start on the task bank's reference solutions (0 steps = skip)."""
+  steps: int = 0                  # optimizer steps
+  batch_size: int = 64            # sequences per step
+  answer_style: str = "plain"     # solution_text style: "plain" | "boxed"
+  learner: LearnerConfig = LearnerConfig(loss="sft")
+  batch: BatchConfig = BatchConfig(rows=32, seq_len=48, max_seqs=64)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLPhaseConfig:
+  """GRPO-family training on graded rollouts of the current policy (synchronous)."""
+  steps: int = 100                # optimizer steps
+  prompts_per_step: int = 32      # tasks per step; each is sampled rollout.group_size times
+  rollout: RolloutConfig = RolloutConfig()
+  advantage: AdvantageConfig = AdvantageConfig()
+  learner: LearnerConfig = LearnerConfig(loss="grpo")
+  loss: Any = None                # the loss's own config (class from the registry); None = defaults
+  update_epochs: int = 1          # optimizer steps per batch; > 1 recomputes log pi_old first
+  reference_kl: bool = True       # score log pi_ref (the warm-start model) to report KL; needed if kl_coef > 0
+  batch: BatchConfig = BatchConfig(rows=128, seq_len=48, max_seqs=256)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Held-out accuracy: tasks never seen in training, graded like training rollouts."""
+  every_steps: int = 50           # evaluate every N RL steps (and before/after); 0 = only before/after
+  samples_per_prompt: int = 4     # completions per held-out task at `temperature`
+  temperature: float = 1.0        # the policy's sampling temperature (accuracy = mean reward)
+  greedy: bool = True             # also report greedy (temperature 0) accuracy
+  max_tokens: int = 16            # new tokens per completion
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """A whole run."""
+  workdir: str = "runs/default"   # checkpoints, metrics.jsonl, tensorboard/, plot.png
+  seed: int = 0                   # sampling seeds derive from (seed, step)
+  model: ModelSource = ModelSource()
+  tasks: TaskBankConfig = TaskBankConfig()
+  grader: str = "numeric"         # a name in posttrain_jax.envs.GRADERS
+  sft: SFTPhaseConfig = SFTPhaseConfig()
+  rl: RLPhaseConfig = RLPhaseConfig()
+  eval: EvalConfig = EvalConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  mesh: MeshConfig = MeshConfig()
+  stop_after_step: Optional[int] = None  # end the process after this global step (tests, preemption drills)
+
+  def loss_config(self):
+    spec = get_loss(self.rl.learner.loss)
+    return self.rl.loss if self.rl.loss is not None else spec.config_cls()
+
+
+def _field(x, name):
+  return x[name] if isinstance(x, Mapping) else getattr(x, name)
+
+
+_DYNAMIC = {
+    (RLPhaseConfig, "loss"): lambda v: get_loss(_field(v["learner"], "loss")).config_cls,
+    (TaskBankConfig, "generator_config"): lambda v: GENERATORS.get(v["generator"]).config_cls,
+    (GRPOConfig, "correction_cfg"): lambda v: CORRECTIONS.get(v["correction"]).config_cls,
+    (CISPOConfig, "correction_cfg"): lambda v: CORRECTIONS.get(v["correction"]).config_cls,
+}
+
+
+def _config_dict(obj, hints_owner=None):
+  import typing
+
+  from ml_collections import config_dict
+
+  out = {}
+  hints = typing.get_type_hints(type(obj))
+  for f in dataclasses.fields(obj):
+    value = getattr(obj, f.name)
+    if dataclasses.is_dataclass(value):
+      out[f.name] = _config_dict(value)
+    elif value is None:
+      args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
+      out[f.name] = (config_dict.placeholder(args[0]) if len(args) == 1
+                     and args[0] in (int, float, str, bool) else None)
+    elif isinstance(value, tuple):
+      out[f.name] = list(value)
+    else:
+      out[f.name] = value
+  return config_dict.ConfigDict(out)
+
+
+def base_config():
+  """Every RunConfig field with its default, as a ConfigDict (so any field can be overridden
+  from the command line); `configs/*.py` start from this and change what they need."""
+  return _config_dict(RunConfig())
+
+
+def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
+  """A RunConfig from nested dicts; errors name the field path."""
+  return from_dict(RunConfig, d, "config", _DYNAMIC)
+
+
+__all__ = ["RunConfig", "ModelSource", "SFTPhaseConfig", "RLPhaseConfig", "EvalConfig",
+           "OptimizerConfig", "run_config_from_dict"]
