@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from loss_testing import (Seq, check_invariances, check_separable, from_bt, layout,
+from tests.loss_testing import (Seq, check_invariances, check_separable, from_bt, layout,
                           loss_value_and_grad, one_per_row, two_rows,
                           random_seqs, ref_correction, ref_gspo, ref_pg, to_bt)
 from posttrain_jax.losses import CISPOConfig, GRPOConfig, GSPOConfig, TISConfig

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loss_testing import (Seq, check_invariances, check_separable, from_bt, layout,
+from tests.loss_testing import (Seq, check_invariances, check_separable, from_bt, layout,
                           loss_value_and_grad, one_per_row, two_rows,
                           random_seqs, ref_agg_weights, ref_kl, to_bt)
 from posttrain_jax.losses import LOSSES, KLConfig, SFTConfig, get_loss

@@ -3,7 +3,7 @@ import jax
 import numpy as np
 import pytest
 
-from loss_testing import (Seq, check_invariances, check_separable, from_bt, two_rows, layout,
+from tests.loss_testing import (Seq, check_invariances, check_separable, from_bt, two_rows, layout,
                           loss_value_and_grad, one_per_row, random_seqs, ref_correction, ref_pg,
                           to_bt)
 from posttrain_jax.losses import (CORRECTIONS, CISPOConfig, DecoupledConfig, GeoMaskConfig,
