@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain_jax import batching
-from posttrain_jax.actors.rollout import encode_prompt, rollout_groups
+from posttrain_jax.actors.rollout import SyncRollouts, encode_prompt
 from posttrain_jax.advantages import compute_advantages
 from posttrain_jax.checkpoint import Checkpointer
 from posttrain_jax.config_io import to_dict
@@ -78,9 +78,6 @@ class Trainer:
     m = self.cfg.model
     return hf_io.load_hf_model(path, mesh=self.mesh, param_dtype=m.param_dtype,
                                compute_dtype=m.compute_dtype, remat=m.remat)
-
-  def _seed(self, step: int) -> int:
-    return (self.cfg.seed * 1_000_003 + step) % (2**31)
 
   def _extra(self, step: int) -> dict:
     return {"step": step, "tasks_state": base64.b64encode(self.tasks.get_state_bytes()).decode(),
@@ -149,6 +146,8 @@ class Trainer:
     if getattr(self.cfg.loss_config(), "kl_coef", 0.0) > 0 or cfg.reference_kl:
       reference = jax.tree.map(jnp.copy, learner.state.params)
     engine = self._sampler(learner.model())
+    source = SyncRollouts(engine, self.tasks, self.tokenizer, self.grader, cfg.rollout,
+                          self.stop_ids, cfg.prompts_per_step, seed=self.cfg.seed)
     if self.heldout_before is None:
       self.heldout_before = self.evaluate(engine)
       writer.write(start, dict(self.heldout_before))
@@ -159,10 +158,8 @@ class Trainer:
     for step in range(start, self.total_steps):
       rl_step = step - sft_steps
       t0 = time.perf_counter()
-      engine.update_weights(learner.params, version=rl_step)
-      tasks = [next(self.tasks) for _ in range(cfg.prompts_per_step)]
-      trajs = rollout_groups(engine, tasks, self.tokenizer, self.grader, cfg.rollout,
-                             self.stop_ids, seed=self._seed(step), step=step)
+      source.update_weights(learner.params, version=rl_step)
+      tasks, trajs = source.collect(step)
       t_gen = time.perf_counter() - t0
       adv = compute_advantages(trajs, cfg.advantage)
       keep = [t for t, k in zip(trajs, adv.keep) if k]

@@ -103,3 +103,36 @@ def rollout_groups(engine: Engine, tasks: Sequence[Task], tokenizer, grader: Cal
       out.append(_trajectory(task, gid, j, prompt, comp, text, grade, status, cfg,
                              {"generate_s": gen_s / max(len(tasks), 1)}))
   return out
+
+
+class SyncRollouts:
+  """Generate-then-train (the on-policy baseline): each step samples fresh groups with the
+  weights of the previous update. The trainer talks to any rollout source through these
+  four methods (`update_weights`, `collect`, `state`/`restore`), so an asynchronous source
+  (actor pool + replay queue) can stand in for this one.
+  """
+
+  def __init__(self, engine: Engine, tasks, tokenizer, grader: Callable, cfg: RolloutConfig,
+               stop_token_ids: Sequence[int], prompts_per_step: int, seed: int = 0):
+    self.engine, self.tasks, self.tokenizer, self.grader = engine, tasks, tokenizer, grader
+    self.cfg, self.stop_token_ids = cfg, tuple(stop_token_ids)
+    self.prompts_per_step, self.seed = prompts_per_step, seed
+
+  def update_weights(self, params, version: int) -> None:
+    self.engine.update_weights(params, version)
+
+  def collect(self, step: int) -> tuple[list[Task], list[Trajectory]]:
+    """The tasks drawn for `step` and their graded trajectories (G per task)."""
+    tasks = [next(self.tasks) for _ in range(self.prompts_per_step)]
+    seed = (self.seed * 1_000_003 + step) % (2**31)
+    return tasks, rollout_groups(self.engine, tasks, self.tokenizer, self.grader, self.cfg,
+                                 self.stop_token_ids, seed=seed, step=step)
+
+  def state(self) -> dict:
+    return {}
+
+  def restore(self, state: dict) -> None:
+    del state
+
+  def close(self) -> None:
+    pass
