@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 from typing import Any, Optional, Sequence
 
 import jax
@@ -106,17 +107,22 @@ class JaxSampler:
     self._graphdef, params = nnx.split(model, nnx.Param)
     self._params = params
     self._version = version
+    self._lock = threading.Lock()
 
   @property
   def version(self) -> int:
     return self._version
 
+  def _snapshot(self):
+    with self._lock:
+      return self._params, self._version
+
   def update_weights(self, weights: Any, version: int) -> None:
     """`weights`: a Decoder or its nnx.Param state (same structure). No copy is made."""
     if isinstance(weights, Decoder):
       weights = nnx.state(weights, nnx.Param)
-    self._params = weights
-    self._version = version
+    with self._lock:  # a generate() already running keeps the pair it read
+      self._params, self._version = weights, version
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, n: int = 1,
                seed: Optional[int] = None) -> list[list[Completion]]:
@@ -137,13 +143,16 @@ class JaxSampler:
     seg[len(rows):, -1] = 1  # filler rows decode a pad token; their output is dropped
     rng = jax.random.key(np.random.SeedSequence(seed).generate_state(1)[0] if seed is not None
                          else np.random.randint(2**31))
+    # Params and version are read together once: weights installed by another thread while this
+    # call decodes do not relabel its tokens with the newer version.
+    params, version = self._snapshot()
     tokens, logps, lengths, done = jax.device_get(
-        _generate(self._graphdef, self._params, ids, seg, rng, sp=sampling))
+        _generate(self._graphdef, params, ids, seg, rng, sp=sampling))
     out = []
     for r in range(len(rows)):
       n_tok = int(lengths[r])
       out.append(Completion(token_ids=tokens[r, :n_tok].tolist(),
                             logprobs=logps[r, :n_tok].astype(float).tolist(),
                             finish_reason="stop" if done[r] else "length",
-                            version=self._version))
+                            version=version))
     return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
