@@ -1,0 +1,473 @@
+"""The asynchronous actor pool, and `AsyncRollouts`: a rollout source that trains while it samples.
+
+    worker (asyncio, `concurrency` of them):
+        claim work items from the replay queue (admission: capacity + bounded staleness)
+        run the episode in a thread (sync engines block; JAX releases the GIL while it computes)
+        on an engine error: retry with exponential backoff, at most `max_retries` times;
+            then push the group as `infra_error` (never reward 0; the queue drops it as "infra")
+        push the graded group to the queue (atomically releasing the claim)
+
+`AsyncRollouts` runs the pool on its own event loop in a background thread and offers the
+trainer the rollout-source interface of `SyncRollouts` (update_weights / collect / metrics /
+state / restore / close):
+
+- `update_weights(params, version)` copies the learner's params (the learner donates its buffers
+  to the next step, so the engine must own its weights), installs the copy in the engine and sets
+  the queue's version. Generation never stops: an episode already running finishes on the weights
+  it started with, and its tokens carry that version (the loss corrects them when a correction is
+  configured). The copy is the whole cost of weight sync for the embedded JAX sampler.
+- `collect(step)` returns the next `prompts_per_step` complete groups from the queue, waiting as
+  needed; order and composition are not deterministic (which groups finish first depends on
+  timing), sampling seeds are: they derive from (seed, draw index, attempt).
+- Tasks are drawn from the bank only in the caller's thread (in update_weights and collect, as
+  many as admission allows), never in the pool's, so the task iterator's state and `state()`
+  taken between two calls are consistent.
+
+What a checkpoint guarantees (trainer: state() saved beside the task iterator after a step):
+every task drawn before the save is, in the saved state, exactly one of: trained (in the saved
+weights), dropped (counted, by reason), queued as a complete group (saved with its trajectories),
+or not finished (saved as backlog: claimed or not, it is re-run from scratch after a restore,
+under the same group id, with new samples). Work done after the save is lost with the process and
+redone (tasks drawn after the save are drawn again from the restored iterator). So across a
+resume no trajectory is trained twice and no drawn task disappears; what is *not* reproduced is
+which samples an unfinished group gets, and the order in which groups are delivered.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import inspect
+import threading
+import time
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from posttrain_jax.actors.rollout import RolloutConfig, rollout_groups
+from posttrain_jax.engines.base import Engine, EngineError
+from posttrain_jax.envs import Task
+from posttrain_jax.replay import ReplayConfig, ReplayQueue
+from posttrain_jax.types import Trajectory
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+  """The actor pool (async mode)."""
+  concurrency: int = 2            # episodes in flight at once; size to the engine's capacity
+  tasks_per_episode: int = 1      # tasks a worker batches into one engine call (one group each)
+  max_retries: int = 2            # retries of an episode whose engine call failed (then infra_error)
+  retry_backoff_s: float = 0.1    # wait before retry k: retry_backoff_s · 2^(k−1)
+  shutdown_grace_s: float = 10.0  # close(): wait this long for episodes in flight, then cancel
+  collect_timeout_s: float = 600.0  # collect() fails (naming queue state) if a batch takes longer
+  poll_s: float = 0.05            # idle workers / a waiting collect re-check at least this often
+
+  def __post_init__(self):
+    for name in ("concurrency", "tasks_per_episode"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"PoolConfig.{name} must be ≥ 1, got {getattr(self, name)}")
+    if self.max_retries < 0:
+      raise ValueError(f"PoolConfig.max_retries must be ≥ 0, got {self.max_retries}")
+    for name in ("retry_backoff_s", "shutdown_grace_s", "collect_timeout_s", "poll_s"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"PoolConfig.{name} must be ≥ 0, got {getattr(self, name)}")
+
+
+class Episode(Protocol):
+  """What the pool runs. `run` may be a plain function (called in a thread) or a coroutine."""
+
+  def run(self, payloads: list[Any], attempt: int) -> list[list[Trajectory]]:
+    """One group per payload, in order; raises on an engine / network failure (retried)."""
+    ...
+
+  def failed(self, payloads: list[Any], error: BaseException) -> list[list[Trajectory]]:
+    """The infra_error groups for payloads whose every attempt failed."""
+    ...
+
+
+# ------------------------------------------------------------------ engine busy meter
+
+class MeteredEngine:
+  """Wraps an engine; measures the time at least one `generate` call is running."""
+
+  def __init__(self, engine: Engine):
+    self.engine = engine
+    self._lock = threading.Lock()
+    self._active = 0
+    self._since = 0.0
+    self._busy = 0.0
+
+  @property
+  def version(self) -> int:
+    return self.engine.version
+
+  def update_weights(self, weights, version: int) -> None:
+    self.engine.update_weights(weights, version)
+
+  def generate(self, *args, **kwargs):
+    with self._lock:
+      if self._active == 0:
+        self._since = time.perf_counter()
+      self._active += 1
+    try:
+      return self.engine.generate(*args, **kwargs)
+    finally:
+      with self._lock:
+        self._active -= 1
+        if self._active == 0:
+          self._busy += time.perf_counter() - self._since
+
+  def busy_seconds(self) -> float:
+    """Seconds (so far) during which the engine had at least one call running."""
+    with self._lock:
+      return self._busy + (time.perf_counter() - self._since if self._active else 0.0)
+
+
+# ------------------------------------------------------------------ task-bank episodes
+
+class _Recording:
+  """Engine proxy that remembers the exception `rollout_groups` swallows, so we can retry."""
+
+  def __init__(self, engine):
+    self.engine, self.error = engine, None
+
+  @property
+  def version(self) -> int:
+    return self.engine.version
+
+  def generate(self, *args, **kwargs):
+    try:
+      return self.engine.generate(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 -- re-raised for rollout_groups, kept for the retry
+      self.error = e
+      raise
+
+
+class _Failing:
+  """An engine that fails with `error`: rollout_groups then builds the standard infra groups."""
+
+  def __init__(self, version: int, error: BaseException):
+    self.version, self.error = version, error
+
+  def generate(self, *args, **kwargs):
+    raise EngineError(str(self.error))
+
+
+class TaskEpisode:
+  """Single-turn task-bank episodes: payload `{"draw": d, "task": Task.to_dict()}` -> G graded
+  trajectories with group id `"{d}/{task.id}"` (d, the draw index, is unique per run)."""
+
+  def __init__(self, engine, tokenizer, grader: Callable, cfg: RolloutConfig,
+               stop_token_ids: Sequence[int], seed: int = 0):
+    self.engine, self.tokenizer, self.grader, self.cfg = engine, tokenizer, grader, cfg
+    self.stop_token_ids, self.seed = tuple(stop_token_ids), seed
+
+  def run(self, payloads: list[dict], attempt: int) -> list[list[Trajectory]]:
+    tasks = [Task.from_dict(p["task"]) for p in payloads]
+    engine = _Recording(self.engine)
+    seed = (self.seed * 1_000_003 + payloads[0]["draw"] * 7919 + attempt) % (2**31)
+    trajs = rollout_groups(engine, tasks, self.tokenizer, self.grader, self.cfg,
+                           self.stop_token_ids, seed=seed, step=payloads[0]["draw"])
+    if engine.error is not None:
+      raise EngineError(f"{type(engine.error).__name__}: {engine.error}") from engine.error
+    return self._groups(payloads, tasks, trajs, attempt)
+
+  def failed(self, payloads: list[dict], error: BaseException) -> list[list[Trajectory]]:
+    tasks = [Task.from_dict(p["task"]) for p in payloads]
+    trajs = rollout_groups(_Failing(self.engine.version, error), tasks, self.tokenizer,
+                           self.grader, self.cfg, self.stop_token_ids, seed=0, step=0)
+    return self._groups(payloads, tasks, trajs, None)
+
+  def _groups(self, payloads, tasks, trajs, attempt):
+    g = self.cfg.group_size
+    out = []
+    for i, (p, task) in enumerate(zip(payloads, tasks)):
+      gid = f"{p['draw']}/{task.id}"
+      group = trajs[i * g:(i + 1) * g]
+      for j, t in enumerate(group):
+        t.group_id, t.id = gid, f"{gid}/{j}"
+        t.metrics["draw"] = p["draw"]
+        if attempt is not None:
+          t.metrics["attempt"] = attempt
+      out.append(group)
+    return out
+
+
+# ------------------------------------------------------------------ the pool
+
+class _DaemonThreads(concurrent.futures.ThreadPoolExecutor):
+  """One daemon thread per call: an engine call that hangs can never block shutdown or exit."""
+
+  def submit(self, fn, /, *args, **kwargs):
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def work():
+      if not future.set_running_or_notify_cancel():
+        return
+      try:
+        future.set_result(fn(*args, **kwargs))
+      except BaseException as e:  # noqa: BLE001 -- handed to the awaiting coroutine
+        future.set_exception(e)
+
+    threading.Thread(target=work, daemon=True, name="actor-episode").start()
+    return future
+
+  def shutdown(self, wait=True, *, cancel_futures=False):
+    del wait, cancel_futures
+
+
+class ActorPool:
+  """`concurrency` asyncio workers: claim -> episode (with retries) -> push. `await run()` until
+  `stop()` (callable from any thread); then in-flight episodes get `shutdown_grace_s` to finish
+  and push, the rest are cancelled and their work items returned to the queue's backlog."""
+
+  def __init__(self, queue: ReplayQueue, episode: Episode, cfg: PoolConfig = PoolConfig()):
+    self.queue, self.episode, self.cfg = queue, episode, cfg
+    self.counters = {"episodes": 0, "groups": 0, "engine_errors": 0, "retries": 0,
+                     "failed_episodes": 0, "cancelled_episodes": 0}
+    self._stop_requested = threading.Event()
+    self._loop: Optional[asyncio.AbstractEventLoop] = None
+    self._wake: Optional[asyncio.Event] = None
+    self._stop: Optional[asyncio.Event] = None
+    self._stopping = False
+    self._executor = _DaemonThreads(max_workers=1)
+
+  def stop(self) -> None:
+    """Asks the pool to shut down gracefully (thread-safe; returns at once)."""
+    self._stop_requested.set()
+    loop = self._loop
+    if loop is not None:
+      try:
+        loop.call_soon_threadsafe(self._stop.set)
+      except RuntimeError:  # the loop already ended
+        pass
+
+  async def run(self) -> None:
+    self._loop = asyncio.get_running_loop()
+    self._wake, self._stop = asyncio.Event(), asyncio.Event()
+    if self._stop_requested.is_set():
+      self._stop.set()
+    self.queue.add_listener(self._on_queue_change)
+    workers = [asyncio.create_task(self._worker(i), name=f"actor-{i}")
+               for i in range(self.cfg.concurrency)]
+    stop_wait = asyncio.create_task(self._stop.wait())
+    try:
+      done, _ = await asyncio.wait([stop_wait, *workers], return_when=asyncio.FIRST_COMPLETED)
+      failed = [t for t in done if t is not stop_wait and t.exception() is not None]
+      self._stopping = True
+      self._wake.set()
+      if not failed:
+        _, pending = await asyncio.wait(workers, timeout=self.cfg.shutdown_grace_s)
+      else:
+        pending = [t for t in workers if not t.done()]
+      for t in pending:
+        t.cancel()
+      await asyncio.gather(*workers, return_exceptions=True)
+      if failed:
+        raise failed[0].exception()
+    finally:
+      stop_wait.cancel()
+      self.queue.remove_listener(self._on_queue_change)
+
+  def _on_queue_change(self) -> None:
+    try:
+      self._loop.call_soon_threadsafe(self._wake.set)
+    except RuntimeError:  # loop closed
+      pass
+
+  async def _claim(self) -> list:
+    items = self.queue.try_claim(self.cfg.tasks_per_episode)
+    if items or self._stopping:
+      return items
+    self._wake.clear()
+    items = self.queue.try_claim(self.cfg.tasks_per_episode)  # no wake-up lost in between
+    if not items:
+      try:
+        await asyncio.wait_for(self._wake.wait(), self.cfg.poll_s)
+      except asyncio.TimeoutError:
+        pass
+    return items
+
+  async def _worker(self, wid: int) -> None:
+    del wid
+    while not self._stopping:
+      items = await self._claim()
+      if not items:
+        continue
+      keys = [k for k, _ in items]
+      try:
+        groups = await self._attempts([p for _, p in items])
+      except asyncio.CancelledError:
+        self.queue.unclaim(keys)
+        self.counters["cancelled_episodes"] += 1
+        raise
+      if len(groups) != len(items):
+        self.queue.unclaim(keys)
+        raise RuntimeError(f"episode {type(self.episode).__name__} returned {len(groups)} groups "
+                           f"for {len(items)} work items")
+      self.counters["episodes"] += 1
+      for key, group in zip(keys, groups):
+        self.queue.put(group, claim=key)
+        self.counters["groups"] += 1
+
+  async def _attempts(self, payloads: list) -> list[list[Trajectory]]:
+    error: Optional[BaseException] = None
+    for attempt in range(self.cfg.max_retries + 1):
+      if attempt:
+        self.counters["retries"] += 1
+        await asyncio.sleep(self.cfg.retry_backoff_s * 2 ** (attempt - 1))
+      try:
+        if inspect.iscoroutinefunction(self.episode.run):
+          return await self.episode.run(payloads, attempt)
+        return await self._loop.run_in_executor(self._executor, self.episode.run, payloads,
+                                                attempt)
+      except Exception as e:  # noqa: BLE001 -- engine / network: ours, retried, never reward 0
+        self.counters["engine_errors"] += 1
+        error = e
+    self.counters["failed_episodes"] += 1
+    return self.episode.failed(payloads, error)
+
+
+# ------------------------------------------------------------------ the rollout source
+
+def _nbytes(tree) -> int:
+  return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(tree))
+
+
+class AsyncRollouts:
+  """Rollout source with SyncRollouts' interface, backed by an ActorPool + ReplayQueue running
+  while the learner trains (see the module docstring for what is guaranteed)."""
+
+  def __init__(self, engine: Engine, tasks, tokenizer, grader: Callable, cfg: RolloutConfig,
+               stop_token_ids: Sequence[int], prompts_per_step: int, seed: int = 0,
+               replay: ReplayConfig = ReplayConfig(), pool: PoolConfig = PoolConfig()):
+    self.engine = MeteredEngine(engine)
+    self.tasks = tasks
+    self.prompts_per_step = prompts_per_step
+    self.pool_cfg = pool
+    self.queue = ReplayQueue(replay, group_size=cfg.group_size, groups_per_step=prompts_per_step)
+    self.episode = TaskEpisode(self.engine, tokenizer, grader, cfg, stop_token_ids, seed)
+    self.pool = ActorPool(self.queue, self.episode, pool)
+    self._next_draw = 0
+    self._thread: Optional[threading.Thread] = None
+    self._error: Optional[BaseException] = None
+    self._closed = False
+    self._window_t = time.perf_counter()
+    self._window_busy = 0.0
+    self._window_pool = dict(self.pool.counters)
+    self._sync = {"s": 0.0, "bytes": 0}
+    self._collect_wait_s = 0.0
+
+  # ------------------------------------------------------------------ the source interface
+  def update_weights(self, params, version: int) -> None:
+    """Installs a copy of `params` as `version`; generation continues throughout."""
+    t0 = time.perf_counter()
+    own = jax.tree.map(jnp.copy, params)
+    jax.block_until_ready(own)
+    self.engine.update_weights(own, version)
+    self._sync = {"s": time.perf_counter() - t0, "bytes": _nbytes(own)}
+    self.queue.set_version(version)
+    self._top_up()
+    self._start()
+
+  def collect(self, step: int) -> tuple[list[Task], list[Trajectory]]:
+    """The next prompts_per_step complete groups (tasks and their trajectories)."""
+    del step
+    self._start()
+    t0 = time.perf_counter()
+    groups = []
+    while len(groups) < self.prompts_per_step:
+      self._check_alive()
+      self._top_up()
+      groups += self.queue.get(self.prompts_per_step - len(groups), timeout=self.pool_cfg.poll_s)
+      if time.perf_counter() - t0 > self.pool_cfg.collect_timeout_s and \
+          len(groups) < self.prompts_per_step:
+        raise TimeoutError(
+            f"AsyncRollouts.collect: {len(groups)}/{self.prompts_per_step} groups after "
+            f"{self.pool_cfg.collect_timeout_s} s (PoolConfig.collect_timeout_s); queue "
+            f"{self.queue.depth()}, pool {self.pool.counters}, drops "
+            f"{ {k: v for k, v in self.queue.stats(reset_window=False).items() if 'total/dropped_' in k} }")
+    self._top_up()
+    self._collect_wait_s = time.perf_counter() - t0
+    tasks = [Task.from_dict(g.payload["task"]) for g in groups]
+    return tasks, [t for g in groups for t in g.trajectories]
+
+  def metrics(self) -> dict[str, float]:
+    """Since the last call: replay/* (drops by reason, staleness, lengths, depth), pool/*
+    (engine idle fraction, retries, errors), weight_sync/*."""
+    out = self.queue.stats()
+    busy = self.engine.busy_seconds()
+    now = time.perf_counter()   # read after busy: busy time never exceeds wall time
+    wall = now - self._window_t
+    idle = 1.0 - (busy - self._window_busy) / wall if wall > 0 else 0.0
+    out["pool/engine_idle_frac"] = min(max(idle, 0.0), 1.0)
+    self._window_t, self._window_busy = now, busy
+    counters = dict(self.pool.counters)
+    for k, v in counters.items():
+      out[f"pool/{k}"] = float(v - self._window_pool.get(k, 0))
+      out[f"pool/total/{k}"] = float(v)
+    self._window_pool = counters
+    out["pool/collect_wait_s"] = self._collect_wait_s
+    out["weight_sync/s"] = self._sync["s"]
+    out["weight_sync/gb"] = self._sync["bytes"] / 1e9
+    out["weight_sync/s_per_gb"] = (self._sync["s"] / (self._sync["bytes"] / 1e9)
+                                   if self._sync["bytes"] else float("nan"))
+    return out
+
+  def state(self) -> dict:
+    """Queue contents, unfinished work (re-run after restore), counters, next draw index.
+    Take it in the thread that calls collect/update_weights, beside the task iterator's state."""
+    return {"kind": "async", "next_draw": self._next_draw, "queue": self.queue.state(),
+            "pool": dict(self.pool.counters)}
+
+  def restore(self, state: dict) -> None:
+    """Loads `state()` output; must come before the first update_weights / collect."""
+    if self._thread is not None:
+      raise RuntimeError("AsyncRollouts.restore must be called before the pool starts")
+    if not state:
+      return
+    if state.get("kind") != "async":
+      raise ValueError(f"checkpointed rollout state is {state.get('kind')!r}, not 'async': it was "
+                       "written by another RLPhaseConfig.mode; resume with that mode")
+    self._next_draw = int(state["next_draw"])
+    self.queue.restore(state["queue"])
+    self.pool.counters.update(state.get("pool", {}))
+    self._window_pool = dict(self.pool.counters)
+
+  def close(self) -> None:
+    """Graceful: stop claiming, let episodes finish (PoolConfig.shutdown_grace_s), join."""
+    if self._closed:
+      return
+    self._closed = True
+    self.pool.stop()
+    if self._thread is not None:
+      self._thread.join(self.pool_cfg.shutdown_grace_s + 10.0)
+    self.queue.close()
+
+  # ------------------------------------------------------------------ internals
+  def _start(self) -> None:
+    if self._thread is None and not self._closed:
+      self._thread = threading.Thread(target=self._thread_main, daemon=True, name="actor-pool")
+      self._thread.start()
+
+  def _thread_main(self) -> None:
+    try:
+      asyncio.run(self.pool.run())
+    except BaseException as e:  # noqa: BLE001 -- surfaced in the trainer's thread by collect
+      self._error = e
+
+  def _check_alive(self) -> None:
+    if self._error is not None:
+      raise RuntimeError(f"the actor pool died: {type(self._error).__name__}: {self._error}"
+                         ) from self._error
+    if self._closed:
+      raise RuntimeError("AsyncRollouts.collect after close()")
+
+  def _top_up(self) -> None:
+    """Draws as many tasks as the queue would let actors start now (caller's thread only)."""
+    for _ in range(self.queue.work_wanted()):
+      task = next(self.tasks)
+      draw = self._next_draw
+      self._next_draw += 1
+      self.queue.add_work(draw, {"draw": draw, "task": task.to_dict()})
