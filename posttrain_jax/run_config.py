@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional
 
+from posttrain_jax.actors.pool import PoolConfig
 from posttrain_jax.actors.rollout import RolloutConfig
 from posttrain_jax.advantages import AdvantageConfig
 from posttrain_jax.batching import BatchConfig
@@ -19,6 +20,7 @@ from posttrain_jax.learner import LearnerConfig, OptimizerConfig
 from posttrain_jax.losses import CISPOConfig, GRPOConfig, get_loss
 from posttrain_jax.losses.off_policy import CORRECTIONS
 from posttrain_jax.models.tiny import TinyModelConfig
+from posttrain_jax.replay import ReplayConfig
 from posttrain_jax.sharding import MeshConfig
 
 
@@ -42,9 +44,16 @@ class SFTPhaseConfig:
   batch: BatchConfig = BatchConfig(rows=32, seq_len=48, max_seqs=64)
 
 
+RL_MODES = ("sync", "async")
+
+
 @dataclasses.dataclass(frozen=True)
 class RLPhaseConfig:
-  """GRPO-family training on graded rollouts of the current policy (synchronous)."""
+  """GRPO-family training on graded rollouts: generate-then-train ("sync", on-policy) or an actor
+  pool sampling while the learner trains ("async", bounded staleness, see actors/pool.py)."""
+  mode: str = "sync"              # "sync" | "async"
+  replay: ReplayConfig = ReplayConfig()  # async: the replay queue (max_staleness, filter, ...)
+  pool: PoolConfig = PoolConfig()  # async: the actor pool (concurrency, retries, shutdown)
   steps: int = 100                # optimizer steps
   prompts_per_step: int = 32      # tasks per step; each is sampled rollout.group_size times
   rollout: RolloutConfig = RolloutConfig()
@@ -54,6 +63,10 @@ class RLPhaseConfig:
   update_epochs: int = 1          # optimizer steps per batch; > 1 recomputes log pi_old first
   reference_kl: bool = True       # score log pi_ref (the warm-start model) to report KL; needed if kl_coef > 0
   batch: BatchConfig = BatchConfig(rows=128, seq_len=48, max_seqs=256)
+
+  def __post_init__(self):
+    if self.mode not in RL_MODES:
+      raise ValueError(f"RLPhaseConfig.mode is {self.mode!r}; valid: {RL_MODES}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,4 +145,4 @@ def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
 
 
 __all__ = ["RunConfig", "ModelSource", "SFTPhaseConfig", "RLPhaseConfig", "EvalConfig",
-           "OptimizerConfig", "run_config_from_dict"]
+           "OptimizerConfig", "ReplayConfig", "PoolConfig", "run_config_from_dict"]

@@ -11,6 +11,12 @@ Global step numbering runs through both phases, so one checkpoint series, one me
 and one progress bar cover the run. A checkpoint holds the TrainState, the task iterator's
 state, the reward history and the held-out "before" accuracy; sampling seeds derive from
 (seed, step). Resuming therefore replays exactly the steps an uninterrupted run would take.
+
+With `rl.mode = "async"` an actor pool samples while the learner trains (actors/pool.py): the
+batch of a step may come from older policy versions (at most `rl.replay.max_staleness` behind),
+`old_logp` is recomputed by the learner whenever the loss has an off-policy correction, and the
+checkpoint also holds the replay queue and unfinished work (no trajectory lost or trained twice
+on resume; data order is not reproduced).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain_jax import batching
+from posttrain_jax.actors.pool import AsyncRollouts
 from posttrain_jax.actors.rollout import SyncRollouts, encode_prompt
 from posttrain_jax.advantages import compute_advantages
 from posttrain_jax.checkpoint import Checkpointer
@@ -72,6 +79,8 @@ class Trainer:
     self.total_steps = cfg.sft.steps + cfg.rl.steps
     self.rewards: list[float] = []
     self.heldout_before: Optional[dict] = None
+    self._source = None                       # the RL phase's rollout source (sync or async)
+    self._source_state: Optional[dict] = None  # its checkpointed state, restored when it starts
 
   # ------------------------------------------------------------------ helpers
   def _load(self, path) -> "hf_io.Decoder":
@@ -82,6 +91,7 @@ class Trainer:
   def _extra(self, step: int) -> dict:
     return {"step": step, "tasks_state": base64.b64encode(self.tasks.get_state_bytes()).decode(),
             "rewards": self.rewards, "heldout_before": self.heldout_before,
+            "rollouts": self._source.state() if self._source is not None else None,
             "config": to_dict(self.cfg)}
 
   def _save(self, step: int, learner: Learner, force: bool = False) -> None:
@@ -146,8 +156,16 @@ class Trainer:
     if getattr(self.cfg.loss_config(), "kl_coef", 0.0) > 0 or cfg.reference_kl:
       reference = jax.tree.map(jnp.copy, learner.state.params)
     engine = self._sampler(learner.model())
-    source = SyncRollouts(engine, self.tasks, self.tokenizer, self.grader, cfg.rollout,
-                          self.stop_ids, cfg.prompts_per_step, seed=self.cfg.seed)
+    if cfg.mode == "async":  # the pool gets its own sampler: it decodes while `engine` evaluates
+      source = AsyncRollouts(self._sampler(learner.model()), self.tasks, self.tokenizer,
+                             self.grader, cfg.rollout, self.stop_ids, cfg.prompts_per_step,
+                             seed=self.cfg.seed, replay=cfg.replay, pool=cfg.pool)
+    else:
+      source = SyncRollouts(engine, self.tasks, self.tokenizer, self.grader, cfg.rollout,
+                            self.stop_ids, cfg.prompts_per_step, seed=self.cfg.seed)
+    self._source = source
+    if self._source_state:
+      source.restore(self._source_state)
     if self.heldout_before is None:
       self.heldout_before = self.evaluate(engine)
       writer.write(start, dict(self.heldout_before))
@@ -166,7 +184,7 @@ class Trainer:
       batch = batching.build_batch(keep, adv.advantages[adv.keep].tolist(), cfg.batch)
       if reference is not None:
         batch = dataclasses.replace(batch, ref_logp=np.asarray(learner.logprobs(batch, reference)))
-      if cfg.update_epochs > 1:
+      if cfg.update_epochs > 1 or getattr(learner.loss_cfg, "correction", "none") != "none":
         batch = dataclasses.replace(batch, old_logp=np.asarray(learner.logprobs(batch)))
       t1 = time.perf_counter()
       for _ in range(cfg.update_epochs):
@@ -186,6 +204,7 @@ class Trainer:
           "policy_version": rl_step + 1,
           "data/hash": _data_hash([t.id for t in tasks]),
       })
+      metrics.update(source.metrics())
       if self.cfg.eval.every_steps and (rl_step + 1) % self.cfg.eval.every_steps == 0 \
           and step + 1 < self.total_steps:
         engine.update_weights(learner.params, version=rl_step + 1)
@@ -196,6 +215,7 @@ class Trainer:
       self._save(step + 1, learner, force=step + 1 == self.total_steps)
       if self._stop(step + 1):
         return step + 1
+    source.close()
     engine.update_weights(learner.params, version=cfg.steps)
     self.final_eval = self.evaluate(engine)
     writer.write(self.total_steps, dict(self.final_eval))
@@ -221,6 +241,7 @@ class Trainer:
       self.tasks.set_state_bytes(base64.b64decode(extra["tasks_state"]))
       self.rewards = list(extra["rewards"])
       self.heldout_before = extra["heldout_before"]
+      self._source_state = extra.get("rollouts")
       self.log(f"resumed from {self.ckpt.directory}/{latest} (step {start})")
     writer = MetricsWriter(self.workdir, resume_step=start if latest is not None else None)
     (self.workdir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=1))
@@ -239,6 +260,8 @@ class Trainer:
       if step < self.total_steps:
         return None
     finally:
+      if self._source is not None:
+        self._source.close()
       bar.close()
       self.ckpt.wait()
       writer.close()

@@ -108,8 +108,8 @@ def rollout_groups(engine: Engine, tasks: Sequence[Task], tokenizer, grader: Cal
 class SyncRollouts:
   """Generate-then-train (the on-policy baseline): each step samples fresh groups with the
   weights of the previous update. The trainer talks to any rollout source through these
-  four methods (`update_weights`, `collect`, `state`/`restore`), so an asynchronous source
-  (actor pool + replay queue) can stand in for this one.
+  methods (`update_weights`, `collect`, `metrics`, `state`/`restore`, `close`), so an
+  asynchronous source (actors/pool.py: actor pool + replay queue) can stand in for this one.
   """
 
   def __init__(self, engine: Engine, tasks, tokenizer, grader: Callable, cfg: RolloutConfig,
@@ -127,6 +127,10 @@ class SyncRollouts:
     seed = (self.seed * 1_000_003 + step) % (2**31)
     return tasks, rollout_groups(self.engine, tasks, self.tokenizer, self.grader, self.cfg,
                                  self.stop_token_ids, seed=seed, step=step)
+
+  def metrics(self) -> dict[str, float]:
+    """Per-step source metrics (none here; the async source reports its queue and pool)."""
+    return {}
 
   def state(self) -> dict:
     return {}
