@@ -23,8 +23,9 @@ Prior art: Liger Kernel's fused linear cross-entropy (token chunks, gradients in
 arXiv:2410.10989) and Apple's Cut Cross-Entropy (vocabulary-tiled logits recomputed in SRAM,
 the backward recomputes them; arXiv:2411.09009). Simplified here: no gradient filtering /
 vocabulary sorting of CCE, no z-loss or label smoothing, a single temperature; the Pallas
-paths of the fused loss run forward kernel + backward kernel inside the forward (8·N·D·V),
-only the XLA chunked fused path is the 6·N·D·V single pass.
+paths of the fused loss run forward kernel + backward kernel inside the forward (8·N·D·V on
+GPU, 10·N·D·V on TPU, whose backward has no atomics), only the XLA chunked fused path is the
+6·N·D·V single pass.
 
 Layout: `w` is [D, V] (an untied LM head as stored by Flax), or [V, D] with `transposed=True`
 (a tied embedding table passed as is; no transpose copy is made). dW comes back in w's layout.

@@ -7,9 +7,10 @@ Two loop orders, chosen for what each pass must keep:
   sliced once, dW tile j is accumulated locally ([D, tile]) and written once, dh ([N, D] fp32)
   is updated in place. Temporaries: a few [token_chunk, vocab_tile] fp32 tiles.
 * the fused-loss pass (`fused_loss`): token chunks outside. A chunk's logit row block
-  [fused_token_chunk, V] is computed tile by tile and kept; after the row its log-sum-exp and
-  log-probs are known, g = dloss/dlogp is evaluated, and dh / dW are accumulated from the kept block in
-  vocabulary tiles (Liger-style): 6·N·D·V FLOPs, temporaries [chunk, V] fp32 (+ tiles).
+  [fused_token_chunk, V] is computed by one matmul and kept; its softmax statistics are taken
+  tile by tile, then log-probs and g = dloss/dlogp are known, and dh / dW are accumulated from
+  the kept block in vocabulary tiles (Liger-style): 6·N·D·V FLOPs, temporaries [chunk, V]
+  fp32 plus tiles, dW accumulated in place in an fp32 [D, V] carry.
 
 V need not be a multiple of the tile: the last, narrower tile is a second static loop body.
 N is padded to a multiple of the token chunk with zero rows (sliced off afterwards).
@@ -17,7 +18,6 @@ N is padded to a multiple of the token chunk with zero rows (sliced off afterwar
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
@@ -36,8 +36,9 @@ class BlockSizes:
     temporary too, so at D = 2048 a 8192 tile costs 64 MiB per buffer.
   fused_token_chunk: rows per chunk of the fused-loss pass; it keeps [chunk, V] fp32 logits
     (512 x 151,936 x 4 B = 311 MB).
-  Measured on a 2-core CPU at V = 151,936 (benchmarks/loss_kernel.py): 1024 / 8192 / 512 ran
-  faster than 512 / 16384 / 256 and keeps temporaries >= 20x below the materialised version.
+  On a shared 2-core CPU at V = 151,936, N = 1024, D = 1024, one measurement had 1024 / 8192 /
+  512 ~10% faster than 512 / 16384 / 256; at N = 8192, D = 2048 these defaults keep the
+  fused path's temporaries ~30x below the materialised version (benchmarks/loss_kernel.py).
   """
   token_chunk: int = 1024
   vocab_tile: int = 8192
