@@ -46,6 +46,7 @@ _CORE = [
     "tensorboardX",
     "matplotlib",
     "pyarrow",
+    "datasets",  # task banks saved with `datasets.save_to_disk`
 ]
 
 setup(
