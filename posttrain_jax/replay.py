@@ -15,10 +15,12 @@ v − version > max_staleness is dropped ("stale").
 Bounded staleness by admission (AReaL, Fu et al. 2025): rather than generate and drop, an actor
 may *start* a group only when, if groups were consumed in the order they start, it would be
 consumed at most max_staleness versions after the version that samples it. With P groups per
-learner step, C groups delivered so far and A groups ready or in flight, the next group to start
-is the (C + A)-th to be consumed, at learner version ⌊(C + A)/P⌋, so admission requires
+learner step, c groups delivered since the version became v and A groups ready or in flight,
+the next group to start would be consumed at version v + ⌊(c + A)/P⌋, so admission requires
 
-    C + A < (v + max_staleness + 1) · P.
+    c + A < (max_staleness + 1) · P.
+
+(Relative to the current version, so version numbers may start anywhere or jump.)
 
 Groups finish out of order (a slow rollout is overtaken), so admission alone does not bound
 staleness: the delivery-time check is the guarantee, admission only keeps the drops rare.
@@ -191,6 +193,7 @@ class ReplayQueue:
     self._cond = threading.Condition()
     self._listeners: list[Callable[[], None]] = []
     self._version = 0
+    self._consumed_at_version = 0              # groups delivered since the version last changed
     self._seq = 0
     self._backlog: dict[Any, Any] = {}         # key -> payload, insertion order = claim order
     self._inflight: dict[Any, Any] = {}        # key -> payload
@@ -209,9 +212,17 @@ class ReplayQueue:
   def set_version(self, version: int) -> None:
     """The learner's current policy version; ready groups now too stale are dropped."""
     with self._cond:
+      if int(version) != self._version:
+        self._consumed_at_version = 0
       self._version = int(version)
       self._sweep_stale()
       self._changed()
+
+  def transaction(self):
+    """A context manager holding the queue's (re-entrant) lock: calls made inside it are seen by
+    other threads as one step, e.g. set_version + work_wanted + add_work, so no actor claims a
+    half-filled backlog."""
+    return self._cond
 
   # ------------------------------------------------------------------ work items (producers)
   def add_work(self, key, payload) -> None:
@@ -385,6 +396,7 @@ class ReplayQueue:
       backlog = list(self._inflight.items()) + list(self._backlog.items())
       return {
           "format": STATE_FORMAT, "version": self._version, "seq": self._seq,
+          "consumed_at_version": self._consumed_at_version,
           "backlog": [[k, p] for k, p in backlog],
           "ready": [{"group_id": g.group_id, "version": g.version, "payload": g.payload,
                      "seq": g.seq, "trajectories": [t.to_dict() for t in g.trajectories]}
@@ -404,6 +416,7 @@ class ReplayQueue:
         raise ValueError(f"not a replay queue state of format {STATE_FORMAT}: "
                          f"{str(state)[:80]!r}")
       self._version = int(state["version"])
+      self._consumed_at_version = int(state["consumed_at_version"])
       self._seq = int(state["seq"])
       self._backlog = {_key(k): p for k, p in state["backlog"]}
       self._ready = [Group(g["group_id"], [Trajectory.from_dict(t) for t in g["trajectories"]],
@@ -433,8 +446,8 @@ class ReplayQueue:
     room = self._room()
     if (self.cfg.admission and self.cfg.max_staleness is not None
         and self.groups_per_step is not None):
-      limit = (self._version + self.cfg.max_staleness + 1) * self.groups_per_step
-      ahead = (self._total["trained_groups"] + len(self._ready) + len(self._inflight)
+      limit = (self.cfg.max_staleness + 1) * self.groups_per_step
+      ahead = (self._consumed_at_version + len(self._ready) + len(self._inflight)
                + len(self._pending))
       room = min(room, limit - ahead)
     return max(room, 0)
@@ -496,6 +509,7 @@ class ReplayQueue:
     g.staleness = 0 if g.version is None else self._version - g.version
     self._count("trained", len(g.trajectories))
     self._count("trained_groups", 1)
+    self._consumed_at_version += 1
     self._total["staleness"][g.staleness] += 1
     self._window["staleness"][g.staleness] += 1
     for t in g.trajectories:

@@ -79,20 +79,21 @@ def test_claims_reserve_room_and_never_exceed_capacity():
 
 
 def test_staleness_admission_bounds_work_ahead_of_the_learner():
-  """C + A < (v + S + 1)·P with P = 2 groups per step, S = 1."""
+  """c + A < (S + 1)·P with P = 2 groups per step, S = 1, c consumed at the current version."""
   q = ReplayQueue(ReplayConfig(capacity=100, max_staleness=1), groups_per_step=2)
-  assert q.admissible() == 4           # version 0: two steps' worth
+  q.set_version(7)                     # versions need not start at 0
+  assert q.admissible() == 4           # two steps' worth
   for k in range(10):
     q.add_work(k, {})
   items = q.try_claim(10)
   assert len(items) == 4
   for k, _ in items:
-    q.put(group(f"g{k}", version=0), claim=k)
+    q.put(group(f"g{k}", version=7), claim=k)
   assert q.admissible() == 0
-  assert len(q.get(2)) == 2            # step 0 consumes 2: still 2 ready, C = 2
+  assert len(q.get(2)) == 2            # this step consumes 2: still 2 ready, c = 2
   assert q.admissible() == 0
-  q.set_version(1)
-  assert q.admissible() == 2           # (1 + 1 + 1)·2 − 2 − 2
+  q.set_version(8)
+  assert q.admissible() == 2           # (1 + 1)·2 − 0 − 2
   q2 = ReplayQueue(ReplayConfig(capacity=100, max_staleness=1, admission=False), groups_per_step=2)
   assert q2.admissible() == 100
 

@@ -225,7 +225,7 @@ class ActorPool:
   def __init__(self, queue: ReplayQueue, episode: Episode, cfg: PoolConfig = PoolConfig()):
     self.queue, self.episode, self.cfg = queue, episode, cfg
     self.counters = {"episodes": 0, "groups": 0, "engine_errors": 0, "retries": 0,
-                     "failed_episodes": 0, "cancelled_episodes": 0}
+                     "failed_episodes": 0, "cancelled_episodes": 0}   # cumulative
     self._stop_requested = threading.Event()
     self._loop: Optional[asyncio.AbstractEventLoop] = None
     self._wake: Optional[asyncio.Event] = None
@@ -367,8 +367,7 @@ class AsyncRollouts:
     jax.block_until_ready(own)
     self.engine.update_weights(own, version)
     self._sync = {"s": time.perf_counter() - t0, "bytes": _nbytes(own)}
-    self.queue.set_version(version)
-    self._top_up()
+    self._top_up(version)
     self._start()
 
   def collect(self, step: int) -> tuple[list[Task], list[Trajectory]]:
@@ -408,6 +407,8 @@ class AsyncRollouts:
       out[f"pool/{k}"] = float(v - self._window_pool.get(k, 0))
       out[f"pool/total/{k}"] = float(v)
     self._window_pool = counters
+    d_episodes = out["pool/episodes"]
+    out["pool/tasks_per_episode"] = out["pool/groups"] / d_episodes if d_episodes else float("nan")
     out["pool/collect_wait_s"] = self._collect_wait_s
     out["weight_sync/s"] = self._sync["s"]
     out["weight_sync/gb"] = self._sync["bytes"] / 1e9
@@ -464,10 +465,14 @@ class AsyncRollouts:
     if self._closed:
       raise RuntimeError("AsyncRollouts.collect after close()")
 
-  def _top_up(self) -> None:
-    """Draws as many tasks as the queue would let actors start now (caller's thread only)."""
-    for _ in range(self.queue.work_wanted()):
-      task = next(self.tasks)
-      draw = self._next_draw
-      self._next_draw += 1
-      self.queue.add_work(draw, {"draw": draw, "task": task.to_dict()})
+  def _top_up(self, version: Optional[int] = None) -> None:
+    """Draws as many tasks as the queue would let actors start now (caller's thread only), in one
+    queue transaction (with the version change, if any) so actors claim whole batches."""
+    with self.queue.transaction():
+      if version is not None:
+        self.queue.set_version(version)
+      for _ in range(self.queue.work_wanted()):
+        task = next(self.tasks)
+        draw = self._next_draw
+        self._next_draw += 1
+        self.queue.add_work(draw, {"draw": draw, "task": task.to_dict()})
