@@ -2,10 +2,14 @@
 accounting that adds up at every step, off-policy metrics, and a resume mid-run that loses and
 duplicates no trajectory."""
 import collections
+import itertools
+import threading
 
 import pytest
 
 from posttrain_jax.actors.pool import AsyncRollouts
+from posttrain_jax.engines.base import EngineError
+from posttrain_jax.engines.jax_sampler import JaxSampler
 from posttrain_jax.metrics import read_metrics
 from posttrain_jax.replay import ReplayQueue
 from posttrain_jax.trainer import Trainer
@@ -19,7 +23,7 @@ def async_run(workdir, **over):
       workdir, sft={"steps": 0},
       rl={"mode": "async", "steps": 5, "prompts_per_step": P,
           "replay": {"max_staleness": 1, "capacity": 8},
-          "pool": {"concurrency": 2, "tasks_per_episode": 1},
+          "pool": {"concurrency": 2, "tasks_per_episode": 1, "max_retries": 0},
           "rollout": {"group_size": G, "max_tokens": 4},
           "learner": {"loss": "grpo", "optimizer": {"learning_rate": 1e-3}},
           "loss": {"correction": "tis"},
@@ -49,6 +53,16 @@ def ledger(monkeypatch):
     log["saves"].append((len(log["trained"]), len(log["dropped"]), s))
     return s
 
+  # every 4th engine call of the actor pool fails (evaluation is left alone): with no retries
+  # these groups become infra_error and are dropped, so the accounting has drops to count
+  generate, calls = JaxSampler.generate, itertools.count(1)
+
+  def flaky_generate(self, *a, **k):
+    if threading.current_thread().name == "actor-episode" and next(calls) % 4 == 0:
+      raise EngineError("injected engine failure")
+    return generate(self, *a, **k)
+
+  monkeypatch.setattr(JaxSampler, "generate", flaky_generate)
   monkeypatch.setattr(AsyncRollouts, "collect", rec_collect)
   monkeypatch.setattr(ReplayQueue, "_drop", rec_drop)
   monkeypatch.setattr(AsyncRollouts, "state", rec_state)
@@ -88,6 +102,7 @@ def test_async_run_resume_loses_and_duplicates_nothing(tmp_path, ledger):
   total = saved2["queue"]["total"]
   assert total["trained"] == len(trained1) + len(trained2) == 5 * P * G
   drops = collections.Counter(r for _, r in dropped1 + dropped2)
+  assert drops["infra"] >= G                   # the injected failures were dropped, counted
   for reason in ("stale", "infra", "filter"):
     assert total[f"dropped_{reason}"] == drops[reason]
   assert total["generated"] == total["trained"] + sum(drops.values()) + len(queued2)
