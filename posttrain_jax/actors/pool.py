@@ -244,8 +244,8 @@ class ActorPool:
         pass
 
   async def run(self) -> None:
-    self._loop = asyncio.get_running_loop()
     self._wake, self._stop = asyncio.Event(), asyncio.Event()
+    self._loop = asyncio.get_running_loop()   # after the events: stop() may use it at once
     if self._stop_requested.is_set():
       self._stop.set()
     self.queue.add_listener(self._on_queue_change)

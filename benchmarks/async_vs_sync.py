@@ -1,0 +1,324 @@
+"""Async (actor pool + replay queue) vs sync (generate-then-train) GRPO: samples per second with
+the same engine, learner and tasks, in one process.
+
+Both modes run the trainer's RL step (update_weights -> collect -> advantages -> batch ->
+old_logp for the TIS correction -> learner step) on the tiny model with the embedded JAX sampler;
+only the rollout source differs (SyncRollouts / AsyncRollouts). Sizes are chosen so that the
+two phases of a sync step take about equally long; the sync phase times then bound what overlap
+can give:
+
+    sync step = gen + train,   ideal async step = max(gen, train),
+    bound = (gen + train) / max(gen, train)   (2 when balanced)
+
+On a 2-core CPU the two phases compete for the cores (each keeps about one busy), so the bound
+is optimistic; the table says how close the async run came. Modes alternate for --rounds rounds
+(S A S A ...) after a warm-up that compiles everything, and the medians are reported.
+
+Weight sync: SyncRollouts hands the engine the learner's arrays (a pointer swap, no copy), which
+is only safe because nothing samples while the learner steps. AsyncRollouts must copy: the learner
+donates its buffers to the next step while the pool is still sampling. Both are measured; the
+per-GB figure of the copy is also probed on a large (--probe_mb) tree, where fixed per-array
+costs no longer dominate.
+
+XLA threads: `--xla_threads 1` gives each computation a single intra-op thread
+(--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1), so the sampler thread and
+the learner thread each keep one core instead of both fighting for all of them; `auto` leaves
+XLA's defaults. Since one thread per computation could slow the sync baseline, the sync mode is
+also run with XLA's default threads (in a subprocess) and the speed-up is taken against the
+faster of the two sync baselines.
+
+Ends with one line:
+  RESULT async_over_sync=<x> staleness=<mean> engine_idle_fraction=<async> weight_sync_s_per_gb=<s>
+
+Usage: python benchmarks/async_vs_sync.py [--out FILE.json] [--steps N] [--rounds R]
+       [--xla_threads auto|1] [--max_staleness S] [--max_tokens T] [--prompts P] [--group G]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _args():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", default=None, help="write the measurements here as JSON")
+  p.add_argument("--steps", type=int, default=6, help="measured steps per mode per round")
+  p.add_argument("--warmup", type=int, default=3, help="unmeasured steps per mode (compiles)")
+  p.add_argument("--rounds", type=int, default=2, help="alternating sync/async rounds")
+  p.add_argument("--xla_threads", default="1", choices=["auto", "1"])
+  p.add_argument("--max_staleness", type=int, default=1)
+  p.add_argument("--concurrency", type=int, default=1, help="actor pool episodes in flight")
+  p.add_argument("--prompts", type=int, default=8, help="prompts per step (P)")
+  p.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
+  p.add_argument("--max_tokens", type=int, default=24, help="tokens per completion")
+  p.add_argument("--hidden", type=int, default=128)
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--vocab", type=int, default=512)
+  p.add_argument("--probe_mb", type=int, default=256, help="size of the weight-copy probe")
+  p.add_argument("--modes", default="sync,async", help="sync,async | sync (used internally)")
+  p.add_argument("--no_auto_baseline", action="store_true",
+                 help="with --xla_threads 1, skip the sync run with XLA's default threads")
+  return p.parse_args()
+
+
+ARGS = _args()
+if ARGS.xla_threads == "1":
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
+                             " intra_op_parallelism_threads=1").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from posttrain_jax import batching  # noqa: E402
+from posttrain_jax.actors.pool import AsyncRollouts, MeteredEngine, PoolConfig  # noqa: E402
+from posttrain_jax.actors.rollout import RolloutConfig, SyncRollouts, encode_prompt  # noqa: E402
+from posttrain_jax.advantages import compute_advantages  # noqa: E402
+from posttrain_jax.engines.jax_sampler import JaxSampler, JaxSamplerConfig  # noqa: E402
+from posttrain_jax.envs import TaskBank, TaskBankConfig, make_grader  # noqa: E402
+from posttrain_jax.envs.synthetic import ArithmeticConfig  # noqa: E402
+from posttrain_jax.learner import Learner, LearnerConfig, OptimizerConfig  # noqa: E402
+from posttrain_jax.losses import GRPOConfig  # noqa: E402
+from posttrain_jax.models import hf_io  # noqa: E402
+from posttrain_jax.models.tiny import TinyModelConfig, build_tiny_model  # noqa: E402
+from posttrain_jax.replay import ReplayConfig  # noqa: E402
+
+
+class Setup:
+  def __init__(self, a):
+    self.a = a
+    self.model_dir = build_tiny_model(TinyModelConfig(
+        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=3 * a.hidden,
+        num_layers=a.layers, num_heads=4, num_kv_heads=2, head_dim=a.hidden // 4,
+        corpus_lines=1000))
+    self.tok = hf_io.load_tokenizer(self.model_dir)
+    self.bank = TaskBank(TaskBankConfig(generator_config=ArithmeticConfig(max_digits=2)))
+    self.grader = make_grader("numeric")
+    self.rollout = RolloutConfig(group_size=a.group, max_tokens=a.max_tokens)
+    eos = self.tok.eos_token_id
+    self.stop_ids = (eos,) if eos is not None else ()
+    probe = self.bank.iterator()
+    self.prompt_len = max(len(encode_prompt(self.tok, next(probe))) for _ in range(64))
+    rows = a.prompts * a.group
+    self.batch = batching.BatchConfig(rows=rows, seq_len=self.prompt_len + a.max_tokens + 8,
+                                      max_seqs=rows, pack=False)
+
+  def learner(self):
+    model = hf_io.load_hf_model(self.model_dir)
+    return Learner(model, LearnerConfig(loss="grpo", optimizer=OptimizerConfig(learning_rate=1e-4)),
+                   GRPOConfig(correction="tis"))
+
+  def engine(self, learner):
+    return JaxSampler(learner.model(), JaxSamplerConfig(max_prompt_len=max(64, 2 * self.prompt_len),
+                                                        pad_id=self.tok.pad_token_id or 0))
+
+
+def train_phase(learner, trajs, batch_cfg):
+  """The trainer's step after collect: advantages, batch, old_logp (TIS), update."""
+  adv = compute_advantages(trajs)
+  keep = [t for t, k in zip(trajs, adv.keep) if k]
+  batch = batching.build_batch(keep, adv.advantages[adv.keep].tolist(), batch_cfg)
+  batch = dataclasses.replace(batch, old_logp=np.asarray(learner.logprobs(batch)))
+  return learner.step(batch)
+
+
+def run_mode(setup: Setup, mode: str, steps: int, warmup: int, version0: int) -> dict:
+  a = setup.a
+  learner = setup.learner()
+  sampler = setup.engine(learner)
+  tasks = setup.bank.iterator()
+  if mode == "sync":
+    engine = MeteredEngine(sampler)
+    source = SyncRollouts(engine, tasks, setup.tok, setup.grader, setup.rollout, setup.stop_ids,
+                          a.prompts, seed=0)
+  else:
+    source = AsyncRollouts(sampler, tasks, setup.tok, setup.grader, setup.rollout, setup.stop_ids,
+                           a.prompts, seed=0,
+                           replay=ReplayConfig(capacity=4 * a.prompts, max_staleness=a.max_staleness),
+                           pool=PoolConfig(concurrency=a.concurrency, tasks_per_episode=a.prompts))
+    engine = source.engine
+  gen, train, sync_s, rows = [], [], [], []
+  try:
+    for step in range(warmup + steps):
+      if step == warmup:
+        t_start, busy0, cpu0 = time.perf_counter(), engine.busy_seconds(), _cpu_s()
+        if mode == "async":
+          source.metrics()  # reset the window
+      t0 = time.perf_counter()
+      source.update_weights(learner.params, version=version0 + step)
+      t_sync = time.perf_counter() - t0
+      _, trajs = source.collect(step)
+      t1 = time.perf_counter()
+      train_phase(learner, trajs, setup.batch)
+      t2 = time.perf_counter()
+      if step >= warmup:
+        gen.append(t1 - t0)
+        train.append(t2 - t1)
+        sync_s.append(t_sync)
+        if mode == "async":
+          rows.append(source.metrics())
+    wall = time.perf_counter() - t_start
+    busy = engine.busy_seconds() - busy0
+    cpu = _cpu_s() - cpu0
+  finally:
+    source.close()
+  samples = steps * a.prompts * a.group
+  out = {"mode": mode, "steps": steps, "wall_s": wall, "samples_per_s": samples / wall,
+         "step_s": wall / steps, "gen_s": statistics.mean(gen), "train_s": statistics.mean(train),
+         "engine_idle_frac": 1.0 - busy / wall, "update_weights_s": statistics.mean(sync_s),
+         "cores_used": cpu / wall, "cpu_s_per_step": cpu / steps,
+         "param_bytes": sum(x.nbytes for x in jax.tree.leaves(learner.params))}
+  if mode == "async":
+    n = sum(r["replay/trained_groups"] for r in rows)
+    out["staleness_mean"] = sum(r["replay/staleness_mean"] * r["replay/trained_groups"]
+                                for r in rows) / n
+    out["staleness_max"] = max(r["replay/staleness_max"] for r in rows)
+    out["dropped"] = {k: sum(r[f"replay/dropped_{k}"] for r in rows)
+                      for k in ("stale", "infra", "filter")}
+    out["weight_sync_s"] = statistics.mean(r["weight_sync/s"] for r in rows)
+    out["unaccounted"] = rows[-1]["replay/total/unaccounted"]
+    out["tasks_per_episode"] = (sum(r["pool/groups"] for r in rows)
+                                / max(sum(r["pool/episodes"] for r in rows), 1))
+  return out
+
+
+def _cpu_s() -> float:
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return r.ru_utime + r.ru_stime
+
+
+def copy_probe(mb: int, repeats: int = 5) -> float:
+  """Seconds per GB of the copy AsyncRollouts.update_weights makes, on ~`mb` MB of params."""
+  n = mb * 2**20 // 4 // 16
+  tree = {f"w{i}": jnp.ones((n,), jnp.float32) for i in range(16)}
+  jax.block_until_ready(tree)
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(jax.tree.map(jnp.copy, tree))
+    best = min(best, time.perf_counter() - t0)
+  return best / (sum(x.nbytes for x in tree.values()) / 1e9)
+
+
+def sync_baseline_other_threads(a) -> dict:
+  """The sync mode with XLA's default threading, in a fresh process (XLA_FLAGS are read once):
+  a single-threaded XLA must not make the sync baseline look slower than it can be."""
+  out = f"/tmp/async_vs_sync_sync_auto_{os.getpid()}.json"
+  cmd = [sys.executable, __file__, "--modes", "sync", "--xla_threads", "auto", "--out", out,
+         "--no_auto_baseline"]
+  for k in ("steps", "warmup", "rounds", "prompts", "group", "max_tokens", "hidden", "layers",
+            "vocab"):
+    cmd += [f"--{k}", str(getattr(a, k))]
+  subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  with open(out) as f:
+    d = json.load(f)
+  os.remove(out)
+  return d
+
+
+def main():
+  a = ARGS
+  modes = a.modes.split(",")
+  setup = Setup(a)
+  results = {m: [] for m in modes}
+  version = 0
+  for r in range(a.rounds):
+    for mode in modes:
+      res = run_mode(setup, mode, a.steps, a.warmup if r == 0 else 1, version)
+      version += 100
+      results[mode].append(res)
+      print(f"round {r} {mode:5s}: {res['samples_per_s']:8.1f} samples/s  step {res['step_s']:.3f} s  "
+            f"gen {res['gen_s']:.3f} s  train {res['train_s']:.3f} s  "
+            f"engine idle {res['engine_idle_frac']:.2f}  cores used {res['cores_used']:.2f}  "
+            f"cpu s/step {res['cpu_s_per_step']:.3f}", flush=True)
+  med = lambda mode, k: statistics.median(x[k] for x in results[mode])
+  env = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "cpus": os.cpu_count(),
+         "loadavg_end": open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg")
+         else None, "jax": jax.__version__, "python": platform.python_version()}
+  if modes == ["sync"]:
+    if a.out:
+      with open(a.out, "w") as f:
+        json.dump({"args": vars(a), "runs": results, "env": env,
+                   "summary": {"sync_samples_per_s": med("sync", "samples_per_s")}}, f, indent=1)
+    return 0
+  gen, train = med("sync", "gen_s"), med("sync", "train_s")
+  bound = (gen + train) / max(gen, train)
+  sync_sps = med("sync", "samples_per_s")
+  other = None
+  if a.xla_threads == "1" and not a.no_auto_baseline:
+    other = sync_baseline_other_threads(a)["summary"]["sync_samples_per_s"]
+  best_sync = max(sync_sps, other or 0.0)
+  speedup = med("async", "samples_per_s") / best_sync
+  probe = copy_probe(a.probe_mb)
+  last = results["async"][-1]
+  copy_gb = last["param_bytes"] / 1e9
+  in_run_s_per_gb = med("async", "weight_sync_s") / copy_gb
+  summary = {
+      "sync_samples_per_s": sync_sps, "sync_samples_per_s_xla_auto_threads": other,
+      "async_samples_per_s": med("async", "samples_per_s"),
+      "async_over_sync": speedup,
+      "async_over_sync_same_threads": med("async", "samples_per_s") / sync_sps,
+      "bound": bound, "fraction_of_bound_gain":
+          (speedup - 1) / (bound - 1) if bound > 1 else float("nan"),
+      "sync_gen_s": gen, "sync_train_s": train, "balance_gen_over_train": gen / train,
+      "async_step_s": med("async", "step_s"), "async_train_s": med("async", "train_s"),
+      "async_collect_wait_s": med("async", "gen_s"),
+      "engine_idle_sync": med("sync", "engine_idle_frac"),
+      "engine_idle_async": med("async", "engine_idle_frac"),
+      "cores_used_sync": med("sync", "cores_used"), "cores_used_async": med("async", "cores_used"),
+      "staleness_mean": statistics.mean(x["staleness_mean"] for x in results["async"]),
+      "staleness_max": max(x["staleness_max"] for x in results["async"]),
+      "dropped": {k: sum(x["dropped"][k] for x in results["async"]) for k in ("stale", "infra", "filter")},
+      "unaccounted": max(x["unaccounted"] for x in results["async"]),
+      "tasks_per_episode": med("async", "tasks_per_episode"),
+      "param_mb": last["param_bytes"] / 1e6,
+      "weight_sync_sync_mode_s": med("sync", "update_weights_s"),
+      "weight_sync_async_s": med("async", "weight_sync_s"),
+      "weight_sync_async_s_per_gb_in_run": in_run_s_per_gb,
+      "weight_sync_s_per_gb_probe": probe,
+  }
+  print()
+  print(f"{'':34s}{'sync':>12s}{'async':>12s}")
+  print(f"{'samples/s':34s}{sync_sps:12.1f}{summary['async_samples_per_s']:12.1f}")
+  if other is not None:
+    print(f"{'samples/s, sync with XLA threads':34s}{other:12.1f}")
+  print(f"{'step s':34s}{gen + train:12.3f}{summary['async_step_s']:12.3f}")
+  print(f"{'  gen s (async: collect wait)':34s}{gen:12.3f}{summary['async_collect_wait_s']:12.3f}")
+  print(f"{'  train s':34s}{train:12.3f}{summary['async_train_s']:12.3f}")
+  print(f"{'engine idle fraction':34s}{summary['engine_idle_sync']:12.2f}{summary['engine_idle_async']:12.2f}")
+  print(f"{'CPU cores used (of ' + str(os.cpu_count()) + ')':34s}{summary['cores_used_sync']:12.2f}"
+        f"{summary['cores_used_async']:12.2f}")
+  print(f"{'weight sync s per update':34s}{summary['weight_sync_sync_mode_s']:12.2e}"
+        f"{summary['weight_sync_async_s']:12.2e}")
+  print(f"bound (gen+train)/max(gen,train) = {bound:.2f} (gen/train = {gen / train:.2f}); "
+        f"async/sync = {speedup:.2f} (vs the best sync baseline): "
+        f"{100 * summary['fraction_of_bound_gain']:.0f}% of the possible gain")
+  print(f"staleness mean {summary['staleness_mean']:.2f} max {summary['staleness_max']:.0f} "
+        f"(max_staleness {a.max_staleness}); drops {summary['dropped']}; unaccounted "
+        f"{summary['unaccounted']:.0f}; tasks per engine call {summary['tasks_per_episode']:.1f}")
+  print(f"weight sync: sync mode hands the engine the learner's arrays (pointer swap, "
+        f"{summary['weight_sync_sync_mode_s'] * 1e6:.0f} us incl. Python); async copies "
+        f"{summary['param_mb']:.1f} MB in {summary['weight_sync_async_s'] * 1e3:.2f} ms "
+        f"({in_run_s_per_gb:.2f} s/GB, fixed costs dominate); a {a.probe_mb} MB copy runs at "
+        f"{probe:.3f} s/GB")
+  if a.out:
+    with open(a.out, "w") as f:
+      json.dump({"args": vars(a), "summary": summary, "runs": results, "env": env}, f, indent=1)
+  print(f"RESULT async_over_sync={speedup:.2f} staleness={summary['staleness_mean']:.2f} "
+        f"engine_idle_fraction={summary['engine_idle_async']:.2f} "
+        f"weight_sync_s_per_gb={probe:.3f}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
