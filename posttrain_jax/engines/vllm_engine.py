@@ -47,6 +47,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
@@ -197,6 +198,10 @@ def _check_fused_groups(names: list[str]) -> None:
                               f"stores {'/'.join(group)} as one tensor; send them together")
 
 
+def _unlink(path: str) -> None:
+  pathlib.Path(path).unlink(missing_ok=True)
+
+
 def _cpu_platform() -> bool:
   from vllm.platforms import current_platform
   return current_platform.is_cpu()
@@ -246,6 +251,7 @@ class VLLMEngine:
     self._shapes = checkpoint_shapes(model_dir)  # what update_weights may send
     self._version = version
     self._lock = threading.Lock()
+    self._shm = None  # (path, finalizer) of the weight-transfer file
     self.last_weight_sync: Optional[WeightSyncStats] = None
     mc = self._llm.llm_engine.vllm_config.model_config
     self.dtype = str(mc.dtype).removeprefix("torch.")
@@ -289,12 +295,10 @@ class VLLMEngine:
     self._check_names_and_shapes(weights)
     with self._lock:
       t0 = time.perf_counter()
-      path = None
       try:
         if self.cfg.weight_transport == "shm":
-          path = self._shm_path()
-          nbytes = vllm_worker.pack_file(path, weights, self.dtype)
-          kwargs = {"path": path}
+          nbytes = vllm_worker.pack_file(self._shm_file(), weights, self.dtype)
+          kwargs = {"path": self._shm_file()}
         else:
           payload = vllm_worker.pack_bytes(weights, self.dtype)
           nbytes = len(payload)
@@ -310,8 +314,6 @@ class VLLMEngine:
               f"(it still reports version {self._version})") from e
       finally:
         kwargs = None
-        if path is not None:
-          pathlib.Path(path).unlink(missing_ok=True)
       t2 = time.perf_counter()
       self._reset_prefix_cache()
       t3 = time.perf_counter()
@@ -337,6 +339,9 @@ class VLLMEngine:
 
   def close(self) -> None:
     """Stops vLLM's engine processes (the engine is unusable afterwards)."""
+    if getattr(self, "_shm", None) is not None:
+      self._shm[1]()
+      self._shm = None
     llm, self._llm = getattr(self, "_llm", None), None
     if llm is not None:
       core = getattr(llm.llm_engine, "engine_core", None)
@@ -387,9 +392,13 @@ class VLLMEngine:
       raise EngineError("vLLM refused to reset its prefix cache after a weight update; "
                         "cached KV from the old weights could be reused")
 
-  def _shm_path(self) -> str:
-    d = self.cfg.shm_dir if os.path.isdir(self.cfg.shm_dir) else tempfile.gettempdir()
-    return os.path.join(d, f"ptj-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}.safetensors")
+  def _shm_file(self) -> str:
+    """This engine's transfer file, reused by every update (removed at close or exit)."""
+    if self._shm is None:
+      d = self.cfg.shm_dir if os.path.isdir(self.cfg.shm_dir) else tempfile.gettempdir()
+      path = os.path.join(d, f"ptj-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}.safetensors")
+      self._shm = (path, weakref.finalize(self, _unlink, path))
+    return self._shm[0]
 
 
 __all__ = ["VLLMEngine", "VLLMEngineConfig", "WeightSyncStats", "check_model_dir",

@@ -67,6 +67,25 @@ def pack_layout(pairs: Iterable[tuple[str, np.ndarray]], dtype: Optional[str] = 
   return struct.pack("<Q", len(blob)) + blob, items, offset
 
 
+# Pre-fault the whole mapping in one call: page by page faults made copies 4x slower.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+_BLOCK = 32  # rows per tile of a transposing copy (measured best of 16..256)
+
+
+def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+  """dst[...] = src with a dtype cast; a transposed 2-D view is copied in row tiles.
+
+  `np.copyto(dst, w.T)` walks `w` column-wise (0.4-0.6 GB/s here); copying `_BLOCK` source
+  rows at a time keeps both sides in cache (4-5 GB/s).
+  """
+  if src.ndim == 2 and not src.flags.c_contiguous and src.T.flags.c_contiguous:
+    w = src.T
+    for r in range(0, w.shape[0], _BLOCK):
+      np.copyto(dst[:, r:r + _BLOCK], w[r:r + _BLOCK].T, casting="unsafe")
+  else:
+    np.copyto(dst, src, casting="unsafe")
+
+
 def pack_into(buf, header: bytes, items) -> None:
   """Writes the header and every array into `buf` (a writable buffer of the total size)."""
   raw = np.frombuffer(buf, dtype=np.uint8)
@@ -74,8 +93,7 @@ def pack_into(buf, header: bytes, items) -> None:
   start = len(header)
   for _, arr, offset, out in items:
     n = arr.size * out.itemsize
-    dst = raw[start + offset:start + offset + n].view(out).reshape(arr.shape)
-    np.copyto(dst, arr, casting="unsafe")  # one pass: layout (transpose) + cast
+    _copy(raw[start + offset:start + offset + n].view(out).reshape(arr.shape), arr)
 
 
 def pack_bytes(pairs, dtype: Optional[str] = None) -> bytearray:
@@ -86,13 +104,17 @@ def pack_bytes(pairs, dtype: Optional[str] = None) -> bytearray:
 
 
 def pack_file(path: str, pairs, dtype: Optional[str] = None) -> int:
-  """Writes the buffer to `path` through a shared mapping (no intermediate copy); its size."""
+  """Writes the buffer to `path` through a shared mapping (no intermediate copy); its size.
+
+  An existing file is overwritten in place: on tmpfs its pages stay allocated (a fresh file
+  pays for allocating and zeroing them on every update).
+  """
   header, items, total = pack_layout(pairs, dtype)
   size = len(header) + total
-  fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
   try:
     os.ftruncate(fd, size)
-    with mmap.mmap(fd, size) as m:
+    with mmap.mmap(fd, size, flags=_MAP_FLAGS) as m:
       pack_into(m, header, items)
       del items
   finally:
@@ -129,7 +151,7 @@ class WeightReceiver:
       raise ValueError("ptj_reload_weights takes exactly one of payload / path")
     if path is not None:
       with open(path, "rb") as f:
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        buf = mmap.mmap(f.fileno(), 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
     else:
       buf = payload
     tensors = unpack_torch(buf)
