@@ -70,7 +70,11 @@ class Linear(nnx.Module):
     self.dtype = cfg.compute_jnp_dtype
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+    # As one 2-D matmul: XLA:CPU runs the [rows, in] x [in, out] product and its two backward
+    # products about twice as fast as the 3-D dot_general (measured on the tiny model).
+    kernel = self.kernel[...].astype(self.dtype)
+    y = jnp.dot(x.astype(self.dtype).reshape(-1, x.shape[-1]), kernel)
+    y = y.reshape(*x.shape[:-1], kernel.shape[-1])
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     return y
