@@ -18,14 +18,15 @@ FIXED = [list(range(10, 70)), [5, 300, 17, 17, 42, 99, 1, 2, 3, 260, 511, 0]]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def live(tmp_path_factory):
   from posttrain_jax.engines.vllm_server import LocalServerConfig, LocalVLLMServer
   base = tmp_path_factory.getbasetemp()
   with vt.vllm_environment(base / "vllm_env"):
     tiny = vt.tiny_model_dir(base)
     logs = tmp_path_factory.mktemp("server")
-    server = LocalVLLMServer(LocalServerConfig(model=str(tiny), dtype="float32", max_model_len=512,
-                                               enforce_eager=True, log_path=str(logs / "server.log")))
+    server = LocalVLLMServer(LocalServerConfig(
+        model=str(tiny), dtype="float32", max_model_len=512, enforce_eager=True,
+        log_path=str(logs / "server.log")))
     with server:
       print(f"\nvLLM server start-up {server.startup_s:.1f} s")
       engine = OpenAIEngine(OpenAIEngineConfig(base_url=server.url,
@@ -36,8 +37,8 @@ def setup(tmp_path_factory):
 
 
 @vt.needs_vllm
-def test_generate_logprobs_equal_learner(setup):
-  engine, m = setup
+def test_generate_logprobs_equal_learner(live):
+  engine, m = live
   out = engine.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=1.0), n=4, seed=0)
   assert [len(c) for c in out] == [4, 4, 4]
   assert all(len(c.token_ids) == 16 == len(c.logprobs) and c.finish_reason == "length"
@@ -55,12 +56,13 @@ def test_generate_logprobs_equal_learner(setup):
 
 
 @vt.needs_vllm
-def test_weight_sync_through_shared_storage(setup):
-  engine, m = setup
+def test_weight_sync_through_shared_storage(live):
+  engine, m = live
   start, ref = m["start"], m["ref"]
   long_prompt = [[(7 * i + 3) % 500 for i in range(200)]]  # > one 128-token KV block: cached
   greedy = SamplingParams(max_tokens=6, temperature=0.0)
-  assert vt.completion_deltas(ref, start, long_prompt, engine.generate(long_prompt, greedy)).mean() <= 1e-3
+  first = engine.generate(long_prompt, greedy)
+  assert vt.completion_deltas(ref, start, long_prompt, first).mean() <= 1e-3
   new = vt.noised(start, 0.03, seed=2)
   engine.update_weights(new, version=1)
   print(f"\nserver weight sync: {engine.last_weight_sync}")
@@ -74,7 +76,8 @@ def test_weight_sync_through_shared_storage(setup):
   assert {c.version for x in out for c in x} == {1}
   assert vt.completion_deltas(ref, new, PROMPTS, out).mean() <= 1e-3
   # same long prompt after the update: no KV block of the old weights is reused
-  assert vt.completion_deltas(ref, new, long_prompt, engine.generate(long_prompt, greedy)).mean() <= 1e-3
+  second = engine.generate(long_prompt, greedy)
+  assert vt.completion_deltas(ref, new, long_prompt, second).mean() <= 1e-3
   # (HF name, array) pairs restore the start weights
   engine.update_weights(hf_io.hf_tensors(start), version=2)
   assert vt.score_deltas(ref, start, FIXED, engine.score(FIXED)).mean() <= 1e-3
@@ -82,16 +85,17 @@ def test_weight_sync_through_shared_storage(setup):
 
 @vt.needs_vllm
 @pytest.mark.parametrize("policy", ["finish", "cut"])
-def test_in_flight_requests_at_a_weight_change(setup, policy):
+def test_in_flight_requests_at_a_weight_change(live, policy):
   """Requests sent before an update end on the old weights (finish) or are cut (abort); every
   token is tagged with the version that sampled it and its log-prob is that version's."""
-  engine, m = setup
+  engine, m = live
   engine.cfg = OpenAIEngineConfig(**{**engine.cfg.__dict__, "in_flight": policy})
   v, start, ref = engine.version, m["start"], m["ref"]
   new = vt.noised(start, 0.03, seed=4)
   result = {}
   sp = SamplingParams(max_tokens=480, temperature=1.0)
-  t = threading.Thread(target=lambda: result.update(out=engine.generate([[3, 4, 5]], sp, n=32, seed=9)))
+  t = threading.Thread(
+      target=lambda: result.update(out=engine.generate([[3, 4, 5]], sp, n=32, seed=9)))
   try:
     t.start()
     while not engine._inflight:  # the request is on its way
@@ -104,8 +108,8 @@ def test_in_flight_requests_at_a_weight_change(setup, policy):
   comps = result["out"][0]
   assert {c.version for c in comps} == {v}
   reasons = {c.finish_reason for c in comps}
-  print(f"\nin flight ({policy}): {sorted(reasons)}, tokens {min(len(c.token_ids) for c in comps)}.."
-        f"{max(len(c.token_ids) for c in comps)}")
+  lengths = [len(c.token_ids) for c in comps]
+  print(f"\nin flight ({policy}): {sorted(reasons)}, tokens {min(lengths)}..{max(lengths)}")
   if policy == "finish":
     assert reasons == {"length"} and all(len(c.token_ids) == 480 for c in comps)
   else:
@@ -120,19 +124,22 @@ def test_in_flight_requests_at_a_weight_change(setup, policy):
 
 
 @vt.needs_vllm
-def test_server_side_errors_are_clear(setup):
-  engine, m = setup
+def test_server_side_errors_are_clear(live):
+  engine, m = live
   v = engine.version
-  with pytest.raises(EngineError, match=f"version skew.*version={v - 1}.*already serves version {v}"):
+  with pytest.raises(EngineError,
+                     match=f"version skew.*version={v - 1}.*already serves version {v}"):
     engine.update_weights(m["start"], version=v - 1)
   bad = [("model.norm.weight", np.zeros((3,), np.float32))]
-  with pytest.raises(EngineError, match=f"failed to load version {v + 1}.*Attempted to load weight"):
+  with pytest.raises(EngineError,
+                     match=f"failed to load version {v + 1}.*Attempted to load weight"):
     engine.update_weights(bad, version=v + 1)
   assert engine.version == v
   engine.update_weights(m["start"], version=v + 1)  # the server recovers
   assert vt.score_deltas(m["ref"], m["start"], FIXED[:1], engine.score(FIXED[:1])).mean() <= 1e-3
   url = m["server"].url
-  with pytest.raises(EngineError, match=f"server at {url} serves .* not the expected model 'other'"):
+  with pytest.raises(EngineError,
+                     match=f"server at {url} serves .* not the expected model 'other'"):
     OpenAIEngine(OpenAIEngineConfig(base_url=url, model="other"))
   with pytest.raises(EngineError, match="max_tokens=1000 cannot be greater than max_model_len"):
     engine.generate([[1, 2]], SamplingParams(max_tokens=1000))

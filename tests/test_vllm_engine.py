@@ -16,7 +16,7 @@ FIXED = [list(range(10, 70)), [5, 300, 17, 17, 42, 99, 1, 2, 3, 260, 511, 0]]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def live(tmp_path_factory):
   """(engine, models): vLLM started from a checkpoint *we exported* (noised tiny weights)."""
   base = tmp_path_factory.getbasetemp()
   with vt.vllm_environment(base / "vllm_env"):
@@ -33,8 +33,8 @@ def setup(tmp_path_factory):
 
 
 @vt.needs_vllm
-def test_generate_logprobs_equal_learner(setup):
-  engine, models = setup
+def test_generate_logprobs_equal_learner(live):
+  engine, models = live
   out = engine.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=1.0), n=4, seed=0)
   assert [len(c) for c in out] == [4, 4, 4]
   assert all(len(c.token_ids) == 16 == len(c.logprobs) and c.finish_reason == "length"
@@ -46,17 +46,19 @@ def test_generate_logprobs_equal_learner(setup):
 
 
 @vt.needs_vllm
-def test_logprobs_are_of_the_temperature_scaled_distribution(setup):
+def test_logprobs_are_of_the_temperature_scaled_distribution(live):
   """processed_logprobs: log softmax(z / tau) at tau != 1 (raw mode would report log softmax(z))."""
-  engine, models = setup
+  engine, models = live
   out = engine.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.7), n=2, seed=1)
   d = vt.completion_deltas(vt.Reference(models["start"], temperature=0.7), models["start"],
                            PROMPTS, out)
   d1 = vt.completion_deltas(models["ref"], models["start"], PROMPTS, out)
-  print(f"\nvLLM vs learner, tau=0.7: mean |d logp| {d.mean():.2e} (vs tau=1 learner: {d1.mean():.2e})")
+  print(f"\nvLLM vs learner, tau=0.7: mean |d logp| {d.mean():.2e} "
+        f"(vs the tau=1 learner: {d1.mean():.2e})")
   assert d.mean() <= 1e-3 and d1.mean() > 0.1
   # top-k truncation: the reported value is of the renormalised kept set, so >= the learner's
-  out = engine.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=1.0, top_k=20), n=2, seed=2)
+  out = engine.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=1.0, top_k=20), n=2,
+                        seed=2)
   seqs = [p + c.token_ids for p, comps in zip(PROMPTS, out) for c in comps]
   ours = np.concatenate(models["ref"].logprobs(models["start"], seqs,
                                                [len(p) for p in PROMPTS for _ in range(2)]))
@@ -65,8 +67,8 @@ def test_logprobs_are_of_the_temperature_scaled_distribution(setup):
 
 
 @vt.needs_vllm
-def test_stop_tokens_seeds_and_greedy(setup):
-  engine, _ = setup
+def test_stop_tokens_seeds_and_greedy(live):
+  engine, _ = live
   greedy = engine.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
   again = engine.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
   assert [c[0].token_ids for c in greedy] == [c[0].token_ids for c in again]
@@ -82,8 +84,8 @@ def test_stop_tokens_seeds_and_greedy(setup):
 
 
 @vt.needs_vllm
-def test_weight_sync_matches_learner_under_new_params(setup):
-  engine, models = setup
+def test_weight_sync_matches_learner_under_new_params(live):
+  engine, models = live
   start, ref = models["start"], models["ref"]
   before = engine.score(FIXED)
   assert vt.score_deltas(ref, start, FIXED, before).mean() <= 1e-3
@@ -91,7 +93,8 @@ def test_weight_sync_matches_learner_under_new_params(setup):
   engine.update_weights(new, version=1)
   s = engine.last_weight_sync
   print(f"\nweight sync: {s.tensors} tensors, {s.bytes / 1e6:.1f} MB in {s.seconds * 1e3:.0f} ms "
-        f"({s.seconds_per_gb:.2f} s/GB; pack {s.pack_s * 1e3:.0f} ms, load {s.load_s * 1e3:.0f} ms)")
+        f"({s.seconds_per_gb:.2f} s/GB; pack {s.pack_s * 1e3:.0f} ms, "
+        f"load {s.load_s * 1e3:.0f} ms)")
   assert engine.version == 1
   after = engine.score(FIXED)
   d_new = vt.score_deltas(ref, new, FIXED, after)
@@ -116,13 +119,13 @@ def test_weight_sync_matches_learner_under_new_params(setup):
 
 
 @vt.needs_vllm
-def test_prefix_cache_is_not_reused_across_versions(setup, monkeypatch):
+def test_prefix_cache_is_not_reused_across_versions(live, monkeypatch):
   """Same long prompt before and after an update: the second run must not see old KV blocks.
 
   The prompt spans more than one KV block (128 tokens on CPU), so its first block is cached.
   The control case skips the reset and shows the test would catch a stale cache.
   """
-  engine, models = setup
+  engine, models = live
   ref, v = models["ref"], engine.version
   prompt = [[(7 * i + 3) % 500 for i in range(200)]]
   sp = SamplingParams(max_tokens=6, temperature=0.0)
@@ -147,8 +150,8 @@ def test_prefix_cache_is_not_reused_across_versions(setup, monkeypatch):
 
 
 @vt.needs_vllm
-def test_version_skew_and_bad_weights_are_clear_errors(setup, monkeypatch):
-  engine, models = setup
+def test_version_skew_and_bad_weights_are_clear_errors(live, monkeypatch):
+  engine, models = live
   v = engine.version + 1
   engine.update_weights(models["start"], version=v)
   with pytest.raises(EngineError, match=f"version skew.*version={v - 1}.*serves version {v}"):
@@ -175,9 +178,9 @@ def test_version_skew_and_bad_weights_are_clear_errors(setup, monkeypatch):
 
 
 @vt.needs_vllm
-def test_a_weight_file_vllm_cannot_load_is_named(setup, tmp_path):
+def test_a_weight_file_vllm_cannot_load_is_named(live, tmp_path):
   """Passes our header checks but does not fit config.json: vLLM fails, we name the dir."""
-  engine, models = setup
+  engine, models = live
   bad = shutil.copytree(engine.cfg.model, tmp_path / "bad")
   conf = json.loads((bad / "config.json").read_text())
   conf["intermediate_size"] = 2 * conf["intermediate_size"]

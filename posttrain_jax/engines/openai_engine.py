@@ -107,7 +107,8 @@ class OpenAIEngine:
     self._pool = concurrent.futures.ThreadPoolExecutor(cfg.max_concurrency,
                                                        thread_name_prefix="openai-engine")
     self.last_weight_sync: Optional[dict[str, float]] = None
-    served = [m["id"] for m in self._get("/v1/models", timeout=cfg.connect_timeout_s).get("data", [])]
+    listing = self._get("/v1/models", timeout=cfg.connect_timeout_s)
+    served = [m["id"] for m in listing.get("data", [])]
     if cfg.model is None:
       if len(served) != 1:
         raise EngineError(f"server at {cfg.base_url} serves {served}; set OpenAIEngineConfig.model")
@@ -126,7 +127,7 @@ class OpenAIEngine:
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, n: int = 1,
                seed: Optional[int] = None) -> list[list[Completion]]:
-    """`n` completions per prompt; with `seed`, prompt i uses seed + i * n (vLLM: + j per sample)."""
+    """`n` completions per prompt; with `seed`, prompt i uses seed + i * n (vLLM adds j)."""
     for i, p in enumerate(prompts):
       if len(p) == 0:
         raise EngineError(f"prompt {i} is empty")
@@ -164,8 +165,8 @@ class OpenAIEngine:
           self._reload(path, version)
           reset = self._post("/reset_prefix_cache", None)
           if not reset.get("success", False):
-            raise EngineError(f"server at {self.cfg.base_url} refused to reset its prefix cache "
-                              "after a weight update (cached KV of the old weights could be reused)")
+            raise EngineError(f"server at {self.cfg.base_url} refused to reset its prefix "
+                              "cache after a weight update (KV of the old weights could be reused)")
         finally:
           self._post("/resume", None)
         old, self._current_dir = self._current_dir, path
@@ -255,7 +256,8 @@ class OpenAIEngine:
     methods = ([self._reload_method] if self._reload_method
                else ["ptj_reload_weights", "reload_weights"])
     for method in methods:
-      kwargs = {"path": str(path)} if method == "ptj_reload_weights" else {"weights_path": str(path)}
+      kwargs = ({"path": str(path)} if method == "ptj_reload_weights"
+                else {"weights_path": str(path)})
       try:
         self._post("/collective_rpc", {"method": method, "kwargs": kwargs},
                    timeout=self.cfg.request_timeout_s)

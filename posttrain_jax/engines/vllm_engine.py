@@ -64,18 +64,18 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 class VLLMEngineConfig:
   """How the in-process vLLM engine is started."""
   model: str = ""                     # HF model directory (config.json, *.safetensors, tokenizer)
-  dtype: str = "auto"                 # weights/activations: auto (config.json) | float32 | bfloat16 | float16
+  dtype: str = "auto"                 # auto (config.json's) | float32 | bfloat16 | float16
   max_model_len: int = 2048           # longest prompt + completion, in tokens
   gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory vLLM may take (weights + KV)
   kv_cache_bytes: Optional[int] = None  # KV cache size; None = vLLM's rule on GPU, 1 GiB on CPU
   max_num_seqs: Optional[int] = None  # sequences decoded together; None = vLLM's default
-  enforce_eager: bool = False         # True: no torch.compile / CUDA graphs (faster start, slower decode)
+  enforce_eager: bool = False         # no torch.compile / CUDA graphs: faster start, slower decode
   enable_prefix_caching: bool = True  # reuse KV of shared prompt prefixes (reset at every update)
   seed: int = 0                       # vLLM's global seed (requests without a seed)
   tensor_parallel_size: int = 1       # GPUs per engine
-  weight_transport: str = "shm"       # shm: a file in `shm_dir` (RAM) | bytes: the buffer in the RPC
-  shm_dir: str = "/dev/shm"           # RAM-backed directory shared with the worker (falls back to TMPDIR)
-  startup_timeout_s: int = 600        # the engine must be ready within this (VLLM_ENGINE_READY_TIMEOUT_S)
+  weight_transport: str = "shm"       # shm: a file in shm_dir (RAM) | bytes: the buffer in the RPC
+  shm_dir: str = "/dev/shm"           # RAM-backed dir shared with the worker (else TMPDIR)
+  startup_timeout_s: int = 600        # vLLM must be ready within this (VLLM_ENGINE_READY_TIMEOUT_S)
   skip_tokenizer_init: bool = False   # True: no tokenizer needed (we only use token ids)
   llm_kwargs: tuple[tuple[str, Any], ...] = ()  # further `vllm.LLM` arguments, passed as given
 
@@ -281,8 +281,9 @@ class VLLMEngine:
       comps = []
       for c in sorted(out.outputs, key=lambda c: c.index):
         ids = list(c.token_ids)
-        comps.append(Completion(token_ids=ids, logprobs=[d[t].logprob for t, d in zip(ids, c.logprobs)],
-                                finish_reason=c.finish_reason or "length", version=version))
+        comps.append(Completion(
+            token_ids=ids, logprobs=[d[t].logprob for t, d in zip(ids, c.logprobs)],
+            finish_reason=c.finish_reason or "length", version=version))
       result.append(comps)
     return result
 

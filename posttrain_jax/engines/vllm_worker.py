@@ -153,8 +153,8 @@ class WeightReceiver:
     if payload is not None:
       buffers = [payload]
     else:
-      files = ([path] if os.path.isfile(path) else
-               sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")))
+      files = ([path] if os.path.isfile(path) else sorted(
+          os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")))
       if not files:
         raise FileNotFoundError(f"{path}: no .safetensors file")
       buffers = []
