@@ -20,12 +20,14 @@ donates its buffers to the next step while the pool is still sampling. Both are 
 per-GB figure of the copy is also probed on a large (--probe_mb) tree, where fixed per-array
 costs no longer dominate.
 
-XLA threads: `--xla_threads 1` gives each computation a single intra-op thread
-(--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1), so the sampler thread and
-the learner thread each keep one core instead of both fighting for all of them; `auto` leaves
-XLA's defaults. Since one thread per computation could slow the sync baseline, the sync mode is
-also run with XLA's default threads (in a subprocess) and the speed-up is taken against the
-faster of the two sync baselines.
+XLA threads: `--xla_threads 1` asks for one intra-op thread per computation
+(--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1), so that the sampler thread
+and the learner thread would each keep one core; the sync mode is then also run with XLA's
+default threads (in a subprocess) and the speed-up is taken against the faster sync baseline.
+Measured on the 2-core dev box it made no difference (sync used 1.43 cores either way, async
+1.8; speed-ups 1.66 vs 1.71 in back-to-back runs), so the default is `auto` (XLA's own).
+The table also reports the CPU cores this process used and those other processes used while it
+ran: on a shared machine the overlap is only possible when a second core is actually free.
 
 Ends with one line:
   RESULT async_over_sync=<x> staleness=<mean> engine_idle_fraction=<async> weight_sync_s_per_gb=<s>
@@ -50,17 +52,19 @@ import time
 def _args():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", default=None, help="write the measurements here as JSON")
-  p.add_argument("--steps", type=int, default=6, help="measured steps per mode per round")
+  p.add_argument("--steps", type=int, default=8, help="measured steps per mode per round")
   p.add_argument("--warmup", type=int, default=3, help="unmeasured steps per mode (compiles)")
-  p.add_argument("--rounds", type=int, default=2, help="alternating sync/async rounds")
-  p.add_argument("--xla_threads", default="1", choices=["auto", "1"])
+  p.add_argument("--rounds", type=int, default=3, help="alternating sync/async rounds")
+  p.add_argument("--xla_threads", default="auto", choices=["auto", "1"])
   p.add_argument("--max_staleness", type=int, default=1)
   p.add_argument("--concurrency", type=int, default=1, help="actor pool episodes in flight")
-  p.add_argument("--prompts", type=int, default=8, help="prompts per step (P)")
-  p.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
-  p.add_argument("--max_tokens", type=int, default=24, help="tokens per completion")
-  p.add_argument("--hidden", type=int, default=128)
-  p.add_argument("--layers", type=int, default=4)
+  # Defaults balance the phases on a 2-core CPU (sync gen ≈ train ≈ 0.12 s): decoding a tiny
+  # model is latency-bound, training it is FLOP-bound, so few rows and long completions.
+  p.add_argument("--prompts", type=int, default=2, help="prompts per step (P)")
+  p.add_argument("--group", type=int, default=4, help="completions per prompt (G)")
+  p.add_argument("--max_tokens", type=int, default=224, help="tokens per completion")
+  p.add_argument("--hidden", type=int, default=64)
+  p.add_argument("--layers", type=int, default=2)
   p.add_argument("--vocab", type=int, default=512)
   p.add_argument("--probe_mb", type=int, default=256, help="size of the weight-copy probe")
   p.add_argument("--modes", default="sync,async", help="sync,async | sync (used internally)")
@@ -151,7 +155,8 @@ def run_mode(setup: Setup, mode: str, steps: int, warmup: int, version0: int) ->
   try:
     for step in range(warmup + steps):
       if step == warmup:
-        t_start, busy0, cpu0 = time.perf_counter(), engine.busy_seconds(), _cpu_s()
+        t_start, busy0, cpu0, mach0 = (time.perf_counter(), engine.busy_seconds(), _cpu_s(),
+                                       _machine_busy_s())
         if mode == "async":
           source.metrics()  # reset the window
       t0 = time.perf_counter()
@@ -170,6 +175,7 @@ def run_mode(setup: Setup, mode: str, steps: int, warmup: int, version0: int) ->
     wall = time.perf_counter() - t_start
     busy = engine.busy_seconds() - busy0
     cpu = _cpu_s() - cpu0
+    machine = _machine_busy_s() - mach0
   finally:
     source.close()
   samples = steps * a.prompts * a.group
@@ -177,6 +183,7 @@ def run_mode(setup: Setup, mode: str, steps: int, warmup: int, version0: int) ->
          "step_s": wall / steps, "gen_s": statistics.mean(gen), "train_s": statistics.mean(train),
          "engine_idle_frac": 1.0 - busy / wall, "update_weights_s": statistics.mean(sync_s),
          "cores_used": cpu / wall, "cpu_s_per_step": cpu / steps,
+         "cores_used_by_others": max(machine - cpu, 0.0) / wall,
          "param_bytes": sum(x.nbytes for x in jax.tree.leaves(learner.params))}
   if mode == "async":
     n = sum(r["replay/trained_groups"] for r in rows)
@@ -190,6 +197,17 @@ def run_mode(setup: Setup, mode: str, steps: int, warmup: int, version0: int) ->
     out["tasks_per_episode"] = (sum(r["pool/groups"] for r in rows)
                                 / max(sum(r["pool/episodes"] for r in rows), 1))
   return out
+
+
+def _machine_busy_s() -> float:
+  """CPU seconds the whole machine (every process) has been busy, from /proc/stat."""
+  try:
+    with open("/proc/stat") as f:
+      fields = [float(x) for x in f.readline().split()[1:]]
+  except OSError:
+    return float("nan")
+  idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)   # idle + iowait
+  return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_s() -> float:
@@ -240,7 +258,8 @@ def main():
       print(f"round {r} {mode:5s}: {res['samples_per_s']:8.1f} samples/s  step {res['step_s']:.3f} s  "
             f"gen {res['gen_s']:.3f} s  train {res['train_s']:.3f} s  "
             f"engine idle {res['engine_idle_frac']:.2f}  cores used {res['cores_used']:.2f}  "
-            f"cpu s/step {res['cpu_s_per_step']:.3f}", flush=True)
+            f"cpu s/step {res['cpu_s_per_step']:.3f}  cores used by other processes "
+            f"{res['cores_used_by_others']:.2f}", flush=True)
   med = lambda mode, k: statistics.median(x[k] for x in results[mode])
   env = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "cpus": os.cpu_count(),
          "loadavg_end": open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg")
@@ -276,6 +295,8 @@ def main():
       "engine_idle_sync": med("sync", "engine_idle_frac"),
       "engine_idle_async": med("async", "engine_idle_frac"),
       "cores_used_sync": med("sync", "cores_used"), "cores_used_async": med("async", "cores_used"),
+      "cores_used_by_others_sync": med("sync", "cores_used_by_others"),
+      "cores_used_by_others_async": med("async", "cores_used_by_others"),
       "staleness_mean": statistics.mean(x["staleness_mean"] for x in results["async"]),
       "staleness_max": max(x["staleness_max"] for x in results["async"]),
       "dropped": {k: sum(x["dropped"][k] for x in results["async"]) for k in ("stale", "infra", "filter")},
@@ -298,6 +319,8 @@ def main():
   print(f"{'engine idle fraction':34s}{summary['engine_idle_sync']:12.2f}{summary['engine_idle_async']:12.2f}")
   print(f"{'CPU cores used (of ' + str(os.cpu_count()) + ')':34s}{summary['cores_used_sync']:12.2f}"
         f"{summary['cores_used_async']:12.2f}")
+  print(f"{'  ... by other processes':34s}{summary['cores_used_by_others_sync']:12.2f}"
+        f"{summary['cores_used_by_others_async']:12.2f}")
   print(f"{'weight sync s per update':34s}{summary['weight_sync_sync_mode_s']:12.2e}"
         f"{summary['weight_sync_async_s']:12.2e}")
   print(f"bound (gen+train)/max(gen,train) = {bound:.2f} (gen/train = {gen / train:.2f}); "
