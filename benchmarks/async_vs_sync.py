@@ -148,7 +148,8 @@ def run_mode(setup: Setup, mode: str, steps: int, warmup: int, version0: int) ->
   else:
     source = AsyncRollouts(sampler, tasks, setup.tok, setup.grader, setup.rollout, setup.stop_ids,
                            a.prompts, seed=0,
-                           replay=ReplayConfig(capacity=4 * a.prompts, max_staleness=a.max_staleness),
+                           replay=ReplayConfig(capacity=4 * a.prompts,
+                                               max_staleness=a.max_staleness),
                            pool=PoolConfig(concurrency=a.concurrency, tasks_per_episode=a.prompts))
     engine = source.engine
   gen, train, sync_s, rows = [], [], [], []
@@ -255,7 +256,8 @@ def main():
       res = run_mode(setup, mode, a.steps, a.warmup if r == 0 else 1, version)
       version += 100
       results[mode].append(res)
-      print(f"round {r} {mode:5s}: {res['samples_per_s']:8.1f} samples/s  step {res['step_s']:.3f} s  "
+      print(f"round {r} {mode:5s}: {res['samples_per_s']:8.1f} samples/s  "
+            f"step {res['step_s']:.3f} s  "
             f"gen {res['gen_s']:.3f} s  train {res['train_s']:.3f} s  "
             f"engine idle {res['engine_idle_frac']:.2f}  cores used {res['cores_used']:.2f}  "
             f"cpu s/step {res['cpu_s_per_step']:.3f}  cores used by other processes "
@@ -299,7 +301,8 @@ def main():
       "cores_used_by_others_async": med("async", "cores_used_by_others"),
       "staleness_mean": statistics.mean(x["staleness_mean"] for x in results["async"]),
       "staleness_max": max(x["staleness_max"] for x in results["async"]),
-      "dropped": {k: sum(x["dropped"][k] for x in results["async"]) for k in ("stale", "infra", "filter")},
+      "dropped": {k: sum(x["dropped"][k] for x in results["async"])
+                  for k in ("stale", "infra", "filter")},
       "unaccounted": max(x["unaccounted"] for x in results["async"]),
       "tasks_per_episode": med("async", "tasks_per_episode"),
       "param_mb": last["param_bytes"] / 1e6,
@@ -316,7 +319,8 @@ def main():
   print(f"{'step s':34s}{gen + train:12.3f}{summary['async_step_s']:12.3f}")
   print(f"{'  gen s (async: collect wait)':34s}{gen:12.3f}{summary['async_collect_wait_s']:12.3f}")
   print(f"{'  train s':34s}{train:12.3f}{summary['async_train_s']:12.3f}")
-  print(f"{'engine idle fraction':34s}{summary['engine_idle_sync']:12.2f}{summary['engine_idle_async']:12.2f}")
+  print(f"{'engine idle fraction':34s}{summary['engine_idle_sync']:12.2f}"
+        f"{summary['engine_idle_async']:12.2f}")
   print(f"{'CPU cores used (of ' + str(os.cpu_count()) + ')':34s}{summary['cores_used_sync']:12.2f}"
         f"{summary['cores_used_async']:12.2f}")
   print(f"{'  ... by other processes':34s}{summary['cores_used_by_others_sync']:12.2f}"

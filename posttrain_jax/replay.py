@@ -110,7 +110,8 @@ class ReplayConfig:
     if self.capacity < 1:
       raise ValueError(f"ReplayConfig.capacity must be ≥ 1, got {self.capacity}")
     if self.max_staleness is not None and self.max_staleness < 0:
-      raise ValueError(f"ReplayConfig.max_staleness must be ≥ 0 or None, got {self.max_staleness}")
+      raise ValueError(
+          f"ReplayConfig.max_staleness must be ≥ 0 or None, got {self.max_staleness}")
     if self.min_scored < 1:
       raise ValueError(f"ReplayConfig.min_scored must be ≥ 1, got {self.min_scored}")
     GROUP_FILTERS.get(self.filter)
@@ -368,13 +369,15 @@ class ReplayQueue:
       out: dict[str, float] = {}
       for prefix, c in (("replay/", self._window), ("replay/total/", self._total)):
         for k in ("generated", "trained", *(f"dropped_{r}" for r in DROP_REASONS),
-                  "generated_groups", "trained_groups", *(f"dropped_groups_{r}" for r in DROP_REASONS)):
+                  "generated_groups", "trained_groups",
+                  *(f"dropped_groups_{r}" for r in DROP_REASONS)):
           out[prefix + k] = float(c[k])
         out.update(_len_stats(prefix + "gen_len", c["gen_len"]))
         out.update(_len_stats(prefix + "trained_len", c["trained_len"]))
         st = c["staleness"]
         n = sum(st.values())
-        out[prefix + "staleness_mean"] = (sum(k * v for k, v in st.items()) / n) if n else float("nan")
+        out[prefix + "staleness_mean"] = (sum(k * v for k, v in st.items()) / n if n
+                                          else float("nan"))
         out[prefix + "staleness_max"] = float(max(st)) if n else float("nan")
       queued = self._queued()
       t = self._total
@@ -410,7 +413,8 @@ class ReplayQueue:
   def restore(self, state: dict) -> None:
     """Loads `state()` output into this (fresh) queue."""
     with self._cond:
-      if self._backlog or self._inflight or self._ready or self._pending or self._total["generated"]:
+      if (self._backlog or self._inflight or self._ready or self._pending
+          or self._total["generated"]):
         raise RuntimeError("ReplayQueue.restore needs a fresh queue (this one has work or counts)")
       if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise ValueError(f"not a replay queue state of format {STATE_FORMAT}: "

@@ -57,7 +57,7 @@ class PoolConfig:
   """The actor pool (async mode)."""
   concurrency: int = 2            # episodes in flight at once; size to the engine's capacity
   tasks_per_episode: int = 1      # tasks a worker batches into one engine call (one group each)
-  max_retries: int = 2            # retries of an episode whose engine call failed (then infra_error)
+  max_retries: int = 2            # retries of an episode whose engine call failed; then infra_error
   retry_backoff_s: float = 0.1    # wait before retry k: retry_backoff_s · 2^(k−1)
   shutdown_grace_s: float = 10.0  # close(): wait this long for episodes in flight, then cancel
   collect_timeout_s: float = 600.0  # collect() fails (naming queue state) if a batch takes longer
@@ -382,11 +382,12 @@ class AsyncRollouts:
       groups += self.queue.get(self.prompts_per_step - len(groups), timeout=self.pool_cfg.poll_s)
       if time.perf_counter() - t0 > self.pool_cfg.collect_timeout_s and \
           len(groups) < self.prompts_per_step:
+        drops = {k: v for k, v in self.queue.stats(reset_window=False).items()
+                 if "total/dropped_" in k}
         raise TimeoutError(
             f"AsyncRollouts.collect: {len(groups)}/{self.prompts_per_step} groups after "
             f"{self.pool_cfg.collect_timeout_s} s (PoolConfig.collect_timeout_s); queue "
-            f"{self.queue.depth()}, pool {self.pool.counters}, drops "
-            f"{ {k: v for k, v in self.queue.stats(reset_window=False).items() if 'total/dropped_' in k} }")
+            f"{self.queue.depth()}, pool {self.pool.counters}, drops {drops}")
     self._top_up()
     self._collect_wait_s = time.perf_counter() - t0
     tasks = [Task.from_dict(g.payload["task"]) for g in groups]
