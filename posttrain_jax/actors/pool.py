@@ -11,11 +11,15 @@
 trainer the rollout-source interface of `SyncRollouts` (update_weights / collect / metrics /
 state / restore / close):
 
-- `update_weights(params, version)` copies the learner's params (the learner donates its buffers
-  to the next step, so the engine must own its weights), installs the copy in the engine and sets
-  the queue's version. Generation never stops: an episode already running finishes on the weights
-  it started with, and its tokens carry that version (the loss corrects them when a correction is
-  configured). The copy is the whole cost of weight sync for the embedded JAX sampler.
+- `update_weights(params, version)` installs the weights in the engine and sets the queue's
+  version. For an engine that keeps a reference to the arrays it is given (the embedded JAX
+  sampler) it first makes a device copy (`copy_weights=True`): the learner donates its buffers to
+  the next step while the pool is still sampling; that copy is the whole cost of weight sync for
+  the JAX sampler. Engines that copy on update themselves (vLLM, a server) take the weights as
+  given (`copy_weights=False`). Generation does not stop for the learner: an episode already
+  running finishes on the weights it started with, and its tokens carry that version (the loss
+  corrects them when a correction is configured). (An engine may still serialise an update with
+  its own running call: VLLMEngine's update waits for the generate in progress.)
 - `collect(step)` returns the next `prompts_per_step` complete groups from the queue, waiting as
   needed; order and composition are not deterministic (which groups finish first depends on
   timing), sampling seeds are: they derive from (seed, draw index, attempt).
@@ -341,8 +345,10 @@ class AsyncRollouts:
 
   def __init__(self, engine: Engine, tasks, tokenizer, grader: Callable, cfg: RolloutConfig,
                stop_token_ids: Sequence[int], prompts_per_step: int, seed: int = 0,
-               replay: ReplayConfig = ReplayConfig(), pool: PoolConfig = PoolConfig()):
+               replay: ReplayConfig = ReplayConfig(), pool: PoolConfig = PoolConfig(),
+               copy_weights: bool = True):
     self.engine = MeteredEngine(engine)
+    self.copy_weights = copy_weights
     self.tasks = tasks
     self.prompts_per_step = prompts_per_step
     self.pool_cfg = pool
@@ -361,12 +367,16 @@ class AsyncRollouts:
 
   # ------------------------------------------------------------------ the source interface
   def update_weights(self, params, version: int) -> None:
-    """Installs a copy of `params` as `version`; generation continues throughout."""
+    """Installs `params` (a copy, see copy_weights) as `version`; generation continues."""
     t0 = time.perf_counter()
-    own = jax.tree.map(jnp.copy, params)
-    jax.block_until_ready(own)
+    own = params
+    if self.copy_weights:
+      own = jax.tree.map(jnp.copy, params)
+      jax.block_until_ready(own)
     self.engine.update_weights(own, version)
-    self._sync = {"s": time.perf_counter() - t0, "bytes": _nbytes(own)}
+    stats = getattr(self.engine.engine, "last_weight_sync", None)   # engines that measure it
+    self._sync = {"s": time.perf_counter() - t0,
+                  "bytes": getattr(stats, "bytes", None) or _nbytes(own)}
     self._top_up(version)
     self._start()
 
