@@ -15,6 +15,7 @@ from posttrain_jax.advantages import AdvantageConfig
 from posttrain_jax.batching import BatchConfig
 from posttrain_jax.checkpoint import CheckpointConfig
 from posttrain_jax.config_io import from_dict
+from posttrain_jax.engines.vllm_engine import VLLMEngineConfig
 from posttrain_jax.envs import GENERATORS, TaskBankConfig
 from posttrain_jax.learner import LearnerConfig, OptimizerConfig
 from posttrain_jax.losses import CISPOConfig, GRPOConfig, get_loss
@@ -45,6 +46,7 @@ class SFTPhaseConfig:
 
 
 RL_MODES = ("sync", "async")
+RL_ENGINES = ("jax", "vllm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,8 @@ class RLPhaseConfig:
   """GRPO-family training on graded rollouts: generate-then-train ("sync", on-policy) or an actor
   pool sampling while the learner trains ("async", bounded staleness, see actors/pool.py)."""
   mode: str = "sync"              # "sync" | "async"
+  engine: str = "jax"             # rollout engine: "jax" (embedded sampler) | "vllm" (in-process vLLM)
+  vllm: VLLMEngineConfig = VLLMEngineConfig()  # engine="vllm": its settings (model = the GRPO start)
   replay: ReplayConfig = ReplayConfig()  # async: the replay queue (max_staleness, filter, ...)
   pool: PoolConfig = PoolConfig()  # async: the actor pool (concurrency, retries, shutdown)
   steps: int = 100                # optimizer steps
@@ -67,6 +71,8 @@ class RLPhaseConfig:
   def __post_init__(self):
     if self.mode not in RL_MODES:
       raise ValueError(f"RLPhaseConfig.mode is {self.mode!r}; valid: {RL_MODES}")
+    if self.engine not in RL_ENGINES:
+      raise ValueError(f"RLPhaseConfig.engine is {self.engine!r}; valid: {RL_ENGINES}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from posttrain_jax import batching
 from posttrain_jax.actors.pool import AsyncRollouts
@@ -80,6 +81,7 @@ class Trainer:
     self.rewards: list[float] = []
     self.heldout_before: Optional[dict] = None
     self._source = None                       # the RL phase's rollout source (sync or async)
+    self._engine_obj = None                   # the RL phase's engine (closed at the end)
     self._source_state: Optional[dict] = None  # its checkpointed state, restored when it starts
 
   # ------------------------------------------------------------------ helpers
@@ -113,6 +115,14 @@ class Trainer:
                  for comps, t in zip(groups, self.held_out) for c in comps]
       out[f"eval/{name}"] = float(np.mean(rewards)) if rewards else float("nan")
     return out
+
+  def _engine(self, learner: Learner, base: pathlib.Path):
+    """The rollout engine of `rl.engine`, serving `base` (the GRPO start) at version 0."""
+    if self.cfg.rl.engine == "jax":
+      return self._sampler(learner.model())
+    from posttrain_jax.engines.vllm_engine import VLLMEngine  # optional dependency
+    vcfg = dataclasses.replace(self.cfg.rl.vllm, model=str(base))
+    return _DecoderWeights(VLLMEngine(vcfg), learner.graphdef)
 
   def _sampler(self, model) -> JaxSampler:
     max_prompt = max([len(encode_prompt(self.tokenizer, t)) for t in self.held_out[:64]] + [64])
@@ -155,9 +165,10 @@ class Trainer:
     reference = None  # the warm-start weights, copied: the learner donates its own buffers
     if getattr(self.cfg.loss_config(), "kl_coef", 0.0) > 0 or cfg.reference_kl:
       reference = jax.tree.map(jnp.copy, learner.state.params)
-    engine = self._sampler(learner.model())
+    engine = self._engine_obj = self._engine(learner, base)
     if cfg.mode == "async":  # the pool gets its own sampler: it decodes while `engine` evaluates
-      source = AsyncRollouts(self._sampler(learner.model()), self.tasks, self.tokenizer,
+      pool_engine = self._sampler(learner.model()) if cfg.engine == "jax" else engine
+      source = AsyncRollouts(pool_engine, self.tasks, self.tokenizer,
                              self.grader, cfg.rollout, self.stop_ids, cfg.prompts_per_step,
                              seed=self.cfg.seed, replay=cfg.replay, pool=cfg.pool)
     else:
@@ -262,6 +273,8 @@ class Trainer:
     finally:
       if self._source is not None:
         self._source.close()
+      if hasattr(self._engine_obj, "close"):
+        self._engine_obj.close()  # vLLM: stop its engine-core process now, not at interpreter exit
       bar.close()
       self.ckpt.wait()
       writer.close()
@@ -291,6 +304,27 @@ class Trainer:
     }
     (self.workdir / "result.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+class _DecoderWeights:
+  """Engine wrapper: the learner's params dict becomes a Decoder (HF names) for engines
+  outside this process."""
+
+  def __init__(self, engine, graphdef):
+    self.engine, self.graphdef = engine, graphdef
+
+  @property
+  def version(self) -> int:
+    return self.engine.version
+
+  def generate(self, *args, **kwargs):
+    return self.engine.generate(*args, **kwargs)
+
+  def update_weights(self, params, version: int) -> None:
+    self.engine.update_weights(nnx.merge(self.graphdef, params), version)
+
+  def __getattr__(self, name):  # close(), last_weight_sync, ...
+    return getattr(self.engine, name)
 
 
 def _data_hash(task_ids) -> float:
