@@ -22,6 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from . import _pallas_common as _common
+
 from . import online_softmax
 
 NEG = online_softmax.NEG
@@ -48,17 +50,7 @@ class BlockSizes:
     return cls()
 
 
-def _cdiv(a, b):
-  return -(-a // b)
-
-
-def _precision(dtype):
-  return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
-
-
-def _dot(a, b, ca, cb, precision):
-  return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=precision,
-                         preferred_element_type=jnp.float32)
+_cdiv, _precision, _dot = _common.cdiv, _common.precision, _common.dot
 
 
 def _logit_tile(h_ref, w_ref, r0, c0, row_ok, col_ok, *, d, bd, transposed, precision):

@@ -24,6 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from . import _pallas_common as _common
+
 from . import online_softmax
 
 NEG = online_softmax.NEG
@@ -43,17 +45,7 @@ class BlockSizes:
     return cls()
 
 
-def _cdiv(a, b):
-  return -(-a // b)
-
-
-def _precision(dtype):
-  return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
-
-
-def _dot(a, b, ca, cb, precision):
-  return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=precision,
-                         preferred_element_type=jnp.float32)
+_cdiv, _precision, _dot = _common.cdiv, _common.precision, _common.dot
 
 
 def _w_spec(d, bv, transposed, tile_axis):

@@ -248,7 +248,11 @@ def test_pallas_kernels_lower_for_their_hardware(impl, platform):
     for transposed in (False, True):
       args = (sd((n, d), dtype), sd((v, d) if transposed else (d, v), dtype), sd((n,), jnp.int32))
       kw = dict(inv_tau=1.25, transposed=transposed, bs=bs, interpret=False)
-      jax.jit(lambda h, w, y: lib.forward(h, w, y, **kw)).trace(*args).lower(
+      fwd = jax.jit(lambda h, w, y: lib.forward(h, w, y, **kw)).trace(*args).lower(
           lowering_platforms=(platform,))
-      jax.jit(lambda h, w, y, a, b, c, e: lib.backward(h, w, y, a, b, c, e, **kw)).trace(
+      bwd = jax.jit(lambda h, w, y, a, b, c, e: lib.backward(h, w, y, a, b, c, e, **kw)).trace(
           *args, f32, f32, f32, f32).lower(lowering_platforms=(platform,))
+      # the kernels really became device kernels (not an XLA fallback)
+      marker = {"cuda": "custom_call @__gpu$xla.gpu.triton", "tpu": "custom_call @tpu_custom_call"}
+      for lowered in (fwd, bwd):
+        assert marker[platform] in lowered.as_text(), (impl, dtype, transposed)
