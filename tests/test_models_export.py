@@ -9,10 +9,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain_jax.models import decoder, hf_io
-from tests.hf_testing import VOCAB, hf_logits, save_random_hf_model
+from tests.hf_testing import FAMILIES, VOCAB, hf_logits, save_random_hf_model
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_export_roundtrip_through_transformers(family, tmp_path):
   save_random_hf_model(family, tmp_path / "src")
   ours = hf_io.load_hf_model(tmp_path / "src")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from posttrain_jax.models import hf_io
+from posttrain_jax.models import families, hf_io
 from posttrain_jax.models.tiny import TinyModelConfig, build_tiny_model
 
 SMALL = TinyModelConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -35,7 +35,7 @@ def test_cache_hit_does_not_rebuild(tmp_path):
   assert other != first
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", families.names())
 def test_loads_in_transformers_and_ours(family, tmp_path):
   path = build_tiny_model(TinyModelConfig(**{**SMALL.__dict__, "family": family}), cache_root=tmp_path)
   tok = hf_io.load_tokenizer(path)

@@ -24,6 +24,7 @@ from flax import nnx
 
 from posttrain_jax.engines.base import Completion, EngineError, SamplingParams
 from posttrain_jax.models.decoder import Decoder, init_cache
+from posttrain_jax.models.weights import as_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +119,8 @@ class JaxSampler:
       return self._params, self._version
 
   def update_weights(self, weights: Any, version: int) -> None:
-    """`weights`: a Decoder or its nnx.Param state (same structure). No copy is made."""
-    if isinstance(weights, Decoder):
-      weights = nnx.state(weights, nnx.Param)
+    """`weights`: a model or its nnx.Param state (same structure). No copy is made."""
+    weights = as_params(weights)
     with self._lock:  # a generate() already running keeps the pair it read
       self._params, self._version = weights, version
 

@@ -329,11 +329,11 @@ def _server_message(body: str) -> str:
 
 
 def _write_checkpoint(weights: Any, out: pathlib.Path, dtype: Optional[str]) -> pathlib.Path:
-  """A Decoder -> save_hf_model; (name, array) pairs -> one model.safetensors. Atomic."""
+  """A model -> save_hf_model; (name, array) pairs -> one model.safetensors. Atomic."""
   from posttrain_jax.models import hf_io
-  from posttrain_jax.models.decoder import Decoder
   from posttrain_jax.models.safetensors_io import write_safetensors
-  if isinstance(weights, Decoder):
+  from posttrain_jax.models.weights import is_model
+  if is_model(weights):
     return hf_io.save_hf_model(weights, out, dtype=dtype)
   import numpy as np
   from posttrain_jax.engines.vllm_worker import _np_dtype

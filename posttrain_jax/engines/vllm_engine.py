@@ -165,11 +165,10 @@ def checkpoint_shapes(path: os.PathLike) -> Optional[dict[str, tuple[int, ...]]]
 
 
 def _hf_pairs(weights) -> Iterable[tuple[str, Any]]:
-  """A Decoder -> its (HF name, numpy) pairs; pairs pass through."""
-  from posttrain_jax.models import hf_io
-  from posttrain_jax.models.decoder import Decoder
-  if isinstance(weights, Decoder):
-    return hf_io.hf_tensors(weights)
+  """A model -> its (HF name, numpy) pairs; pairs pass through."""
+  from posttrain_jax.models.weights import as_hf_tensors, is_model
+  if is_model(weights):
+    return as_hf_tensors(weights)
   if isinstance(weights, dict):
     raise EngineError("update_weights takes a Decoder or (HF name, array) pairs, not a dict; "
                       "for learner params use nnx.merge(learner.graphdef, params)")

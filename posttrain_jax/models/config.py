@@ -1,13 +1,13 @@
 """`ModelConfig`: one config for the decoder families we support, read from HF `config.json`.
 
-Llama (3.x), Qwen2 (2.5) and Qwen3 (dense) differ only in a few switches, so one decoder
-(`decoder.py`) serves all three and this file holds the per-family translation:
+The families we serve (Llama 3.x, Qwen2.5, Qwen3 dense, ...) differ only in a few switches
+(biases, q/k RMSNorm), so one decoder (`decoder.py`) serves all of them. This file reads the fields they
+share; what a family reads or writes differently (which biases, q/k norm) lives in its own
+file in `families/`, which also says what the family is.
 
-| family | q/k/v bias          | o bias          | MLP bias  | q/k RMSNorm | RoPE                  |
-|--------|---------------------|-----------------|-----------|-------------|-----------------------|
-| llama  | attention_bias      | attention_bias  | mlp_bias  | no          | default, linear, llama3 |
-| qwen2  | always              | no              | no        | no          | default               |
-| qwen3  | attention_bias      | attention_bias  | no        | yes         | default               |
+Attention is full causal attention (with GQA and RoPE). A `config.json` asking for anything
+else -- sliding windows, partial rotary dims, logit soft-capping, unknown RoPE scalings -- is
+refused with a ConfigError naming the field, never loaded as something it is not.
 """
 from __future__ import annotations
 
@@ -16,11 +16,8 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+from posttrain_jax.models import families
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -32,7 +29,7 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Architecture and numerics of a decoder-only transformer."""
-  family: str                     # "llama" | "qwen2" | "qwen3"
+  family: str                     # a registered family name (models/families/), e.g. "qwen3"
   vocab_size: int                 # rows of the embedding / columns of the LM head
   hidden_size: int                # model width D
   intermediate_size: int          # SwiGLU inner width F
@@ -59,6 +56,9 @@ class ModelConfig:
   def __post_init__(self):
     if isinstance(self.eos_token_id, list):
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+    if self.family not in families.FAMILIES:
+      raise ConfigError(f"family={self.family!r} is not a registered model family; registered: "
+                        f"{', '.join(families.names())}")
     if self.num_heads % self.num_kv_heads:
       raise ConfigError(f"num_attention_heads={self.num_heads} is not a multiple of "
                         f"num_key_value_heads={self.num_kv_heads}")
@@ -80,7 +80,7 @@ class ModelConfig:
 
   @property
   def architecture(self) -> str:
-    return {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[self.family]
+    return families.get(self.family).architectures[0]
 
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)
@@ -116,15 +116,11 @@ def _rope(hf: dict) -> tuple[float, tuple[tuple[str, Any], ...]]:
 
 def from_hf_dict(hf: dict, path: str = "config.json", **overrides) -> ModelConfig:
   """Translates a HF `config.json` dict into a ModelConfig (overrides: dtypes, remat)."""
-  archs = hf.get("architectures") or []
-  model_type = hf.get("model_type")
-  family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-  if family is None and model_type in SUPPORTED_ARCHITECTURES.values():
-    family = model_type
+  family = families.for_hf(hf)
   if family is None:
     raise ConfigError(
-        f"{path}: unsupported architecture {archs or model_type!r}; supported: "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        f"{path}: unsupported architecture {hf.get('architectures') or hf.get('model_type')!r}; "
+        f"supported: {', '.join(families.architectures())}")
   if hf.get("use_sliding_window"):
     raise ConfigError(f"{path}: use_sliding_window=true is not supported (full attention only)")
   if hf.get("hidden_act", "silu") != "silu":
@@ -132,9 +128,8 @@ def from_hf_dict(hf: dict, path: str = "config.json", **overrides) -> ModelConfi
   heads = _require(hf, "num_attention_heads", path)
   hidden = _require(hf, "hidden_size", path)
   theta, scaling = _rope(hf)
-  bias = bool(hf.get("attention_bias", False))
   kw = dict(
-      family=family,
+      family=family.name,
       vocab_size=_require(hf, "vocab_size", path),
       hidden_size=hidden,
       intermediate_size=_require(hf, "intermediate_size", path),
@@ -145,16 +140,13 @@ def from_hf_dict(hf: dict, path: str = "config.json", **overrides) -> ModelConfi
       rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
       rope_theta=theta,
       rope_scaling=scaling,
-      qkv_bias=True if family == "qwen2" else bias,
-      o_bias=False if family == "qwen2" else bias,
-      mlp_bias=bool(hf.get("mlp_bias", False)) if family == "llama" else False,
-      qk_norm=family == "qwen3",
       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
       max_position_embeddings=hf.get("max_position_embeddings", 4096),
       bos_token_id=hf.get("bos_token_id"),
       eos_token_id=hf.get("eos_token_id"),
       pad_token_id=hf.get("pad_token_id"),
   )
+  kw.update(family.from_hf(hf))
   kw.update(overrides)
   return ModelConfig(**kw)
 
@@ -188,12 +180,5 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
   }
   if dict(cfg.rope_scaling).get("rope_type", "default") != "default":
     hf["rope_scaling"] = rope
-  if cfg.family == "llama":
-    hf["attention_bias"] = cfg.qkv_bias
-    hf["mlp_bias"] = cfg.mlp_bias
-  elif cfg.family == "qwen3":
-    hf["attention_bias"] = cfg.qkv_bias
-    hf["use_sliding_window"] = False
-  else:
-    hf["use_sliding_window"] = False
+  hf.update(families.get(cfg.family).to_hf(cfg))
   return hf

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from typing import Iterable, Optional
 
+from posttrain_jax.models import families
 from posttrain_jax.models.config import ModelConfig
 
 FACTORY_VERSION = 1
@@ -34,7 +35,7 @@ CHAT_TEMPLATE = (
 @dataclasses.dataclass(frozen=True)
 class TinyModelConfig:
   """What a tiny model directory is built from (all of it enters the cache key)."""
-  family: str = "qwen3"           # llama | qwen2 | qwen3
+  family: str = "qwen3"           # a registered family name (models/families/)
   vocab_size: int = 512           # BPE vocabulary incl. 256 bytes and special tokens
   hidden_size: int = 128          # model width
   intermediate_size: int = 384    # SwiGLU width
@@ -78,11 +79,12 @@ def default_corpus(n_lines: int, seed: int) -> list[str]:
 
 
 def model_config(t: TinyModelConfig, eos_ids: list[int], pad_id: int) -> ModelConfig:
+  """The tiny model's ModelConfig; the family's switches are its defaults (`from_hf({})`)."""
   return ModelConfig(
       family=t.family, vocab_size=t.vocab_size, hidden_size=t.hidden_size,
       intermediate_size=t.intermediate_size, num_layers=t.num_layers, num_heads=t.num_heads,
       num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, rope_theta=t.rope_theta,
-      qkv_bias=t.family == "qwen2", qk_norm=t.family == "qwen3",
+      **families.get(t.family).from_hf({}),
       tie_word_embeddings=t.tie_word_embeddings, max_position_embeddings=t.max_position_embeddings,
       eos_token_id=eos_ids, pad_token_id=pad_id, bos_token_id=None, param_dtype=t.param_dtype)
 
