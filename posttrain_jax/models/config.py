@@ -12,6 +12,7 @@ refused with a ConfigError naming the field, never loaded as something it is not
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Optional
 
 import jax.numpy as jnp
@@ -114,6 +115,59 @@ def _rope(hf: dict) -> tuple[float, tuple[tuple[str, Any], ...]]:
   return float(theta), tuple(sorted(params.items()))
 
 
+# config.json fields that change attention in ways the decoder does not implement, with the
+# values that mean "off".
+_ATTENTION_OFF = {
+    "partial_rotary_factor": (None, 1, 1.0),   # RoPE on only part of head_dim
+    "attn_logit_softcapping": (None,),         # tanh soft-capping of attention logits
+    "final_logit_softcapping": (None,),        # tanh soft-capping of the LM head's logits
+    "attention_chunk_size": (None,),           # chunked local attention (Llama 4)
+}
+
+
+def _sliding_window(hf: dict) -> Optional[str]:
+  """What in `hf` turns sliding-window attention on (`field=value`), or None when it is off.
+
+  Qwen2/3 carry `sliding_window` with a `use_sliding_window` switch (false in released
+  checkpoints), which enables the window from layer `max_window_layers` on; a config without
+  the switch (Mistral style) has a window whenever `sliding_window` is set.
+  """
+  window = hf.get("sliding_window")
+  if window is None:
+    return None
+  if "use_sliding_window" not in hf:
+    return f"sliding_window={window}"
+  first = hf.get("max_window_layers") or 0
+  if hf["use_sliding_window"] and first < hf.get("num_hidden_layers", 0):
+    return f"use_sliding_window=true with sliding_window={window}, max_window_layers={first}"
+  return None
+
+
+def _refuse_unimplemented_attention(hf: dict, path: str) -> None:
+  """A ConfigError naming the first field that asks for more than full causal attention."""
+  layer_types = hf.get("layer_types")
+  if layer_types is not None:  # per-layer kinds (transformers writes them) decide
+    for i, kind in enumerate(layer_types):
+      if kind != "full_attention":
+        raise ConfigError(f"{path}: layer_types[{i}]={kind!r} is not supported (full attention "
+                          "only): every entry must be 'full_attention'")
+  else:
+    sliding = _sliding_window(hf)
+    if sliding is not None:
+      raise ConfigError(f"{path}: {sliding}: sliding-window attention is not supported (full "
+                        "attention only); if the model was trained with full attention, set "
+                        "sliding_window to null")
+  rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+  fields = [(f, hf.get(f), off) for f, off in _ATTENTION_OFF.items()]
+  fields.append(("rope_parameters.partial_rotary_factor", rope.get("partial_rotary_factor"),
+                 _ATTENTION_OFF["partial_rotary_factor"]))
+  for field, value, off in fields:
+    if value not in off:
+      raise ConfigError(f"{path}: {field}={value!r} is not supported (the decoder implements "
+                        f"plain causal attention only); remove it or set it to "
+                        f"{json.dumps(off[-1])}")
+
+
 def from_hf_dict(hf: dict, path: str = "config.json", **overrides) -> ModelConfig:
   """Translates a HF `config.json` dict into a ModelConfig (overrides: dtypes, remat)."""
   family = families.for_hf(hf)
@@ -121,8 +175,7 @@ def from_hf_dict(hf: dict, path: str = "config.json", **overrides) -> ModelConfi
     raise ConfigError(
         f"{path}: unsupported architecture {hf.get('architectures') or hf.get('model_type')!r}; "
         f"supported: {', '.join(families.architectures())}")
-  if hf.get("use_sliding_window"):
-    raise ConfigError(f"{path}: use_sliding_window=true is not supported (full attention only)")
+  _refuse_unimplemented_attention(hf, path)
   if hf.get("hidden_act", "silu") != "silu":
     raise ConfigError(f"{path}: hidden_act={hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
   heads = _require(hf, "num_attention_heads", path)
