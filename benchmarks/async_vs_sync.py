@@ -1,8 +1,8 @@
 """Async (actor pool + replay queue) vs sync (generate-then-train) GRPO: samples per second with
 the same engine, learner and tasks, in one process.
 
-Both modes run the trainer's RL step (update_weights -> collect -> advantages -> batch ->
-old_logp for the TIS correction -> learner step) on the tiny model with the embedded JAX sampler;
+Both modes run the trainer's RL step, `posttrain_jax.rl_step.rl_step` (update_weights -> collect
+-> advantages -> batch -> old_logp for the TIS correction -> learner step) on the tiny model with the embedded JAX sampler;
 only the rollout source differs (SyncRollouts / AsyncRollouts). Sizes are chosen so that the
 two phases of a sync step take about equally long; the sync phase times then bound what overlap
 can give:
@@ -85,12 +85,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from posttrain_jax import batching  # noqa: E402
 from posttrain_jax.actors.pool import AsyncRollouts, MeteredEngine, PoolConfig  # noqa: E402
-from posttrain_jax.actors.rollout import RolloutConfig, SyncRollouts, encode_prompt  # noqa: E402
-from posttrain_jax.advantages import compute_advantages  # noqa: E402
+from posttrain_jax.actors.rollout import (  # noqa: E402
+    RolloutConfig, SyncRollouts, TaskEpisode, encode_prompt)
+from posttrain_jax.advantages import AdvantageConfig  # noqa: E402
+from posttrain_jax.engines.registry import DecoderWeights  # noqa: E402
 from posttrain_jax.engines.jax_sampler import JaxSampler, JaxSamplerConfig  # noqa: E402
 from posttrain_jax.envs import TaskBank, TaskBankConfig, make_grader  # noqa: E402
 from posttrain_jax.envs.synthetic import ArithmeticConfig  # noqa: E402
@@ -99,6 +100,7 @@ from posttrain_jax.losses import GRPOConfig  # noqa: E402
 from posttrain_jax.models import hf_io  # noqa: E402
 from posttrain_jax.models.tiny import TinyModelConfig, build_tiny_model  # noqa: E402
 from posttrain_jax.replay import ReplayConfig  # noqa: E402
+from posttrain_jax.rl_step import rl_step  # noqa: E402
 
 
 class Setup:
@@ -141,19 +143,10 @@ class Setup:
                    GRPOConfig(correction="tis"))
 
   def engine(self, learner):
-    if self.vllm is not None:
-      return self.vllm
+    if self.vllm is not None:  # it takes a Decoder (it packs a copy itself)
+      return DecoderWeights(self.vllm, learner.graphdef)
     return JaxSampler(learner.model(), JaxSamplerConfig(max_prompt_len=max(64, 2 * self.prompt_len),
                                                         pad_id=self.tok.pad_token_id or 0))
-
-
-def train_phase(learner, trajs, batch_cfg):
-  """The trainer's step after collect: advantages, batch, old_logp (TIS), update."""
-  adv = compute_advantages(trajs)
-  keep = [t for t, k in zip(trajs, adv.keep) if k]
-  batch = batching.build_batch(keep, adv.advantages[adv.keep].tolist(), batch_cfg)
-  batch = dataclasses.replace(batch, old_logp=np.asarray(learner.logprobs(batch)))
-  return learner.step(batch)
 
 
 def run_mode(setup: Setup, mode: str, steps: int, warmup: int, version0: int) -> dict:
@@ -163,11 +156,11 @@ def run_mode(setup: Setup, mode: str, steps: int, warmup: int, version0: int) ->
   tasks = setup.bank.iterator()
   if mode == "sync":
     engine = MeteredEngine(sampler)
-    source = SyncRollouts(engine, tasks, setup.tok, setup.grader, setup.rollout, setup.stop_ids,
-                          a.prompts, seed=0)
+    episode = TaskEpisode(engine, setup.tok, setup.grader, setup.rollout, setup.stop_ids)
+    source = SyncRollouts(episode, tasks, a.group, a.prompts, seed=0)
   else:
-    source = AsyncRollouts(sampler, tasks, setup.tok, setup.grader, setup.rollout, setup.stop_ids,
-                           a.prompts, seed=0,
+    episode = TaskEpisode(sampler, setup.tok, setup.grader, setup.rollout, setup.stop_ids)
+    source = AsyncRollouts(episode, tasks, a.group, a.prompts, seed=0,
                            replay=ReplayConfig(capacity=4 * a.prompts,
                                                max_staleness=a.max_staleness),
                            pool=PoolConfig(concurrency=a.concurrency, tasks_per_episode=a.prompts),
@@ -179,23 +172,14 @@ def run_mode(setup: Setup, mode: str, steps: int, warmup: int, version0: int) ->
       if step == warmup:
         t_start, busy0, cpu0, mach0 = (time.perf_counter(), engine.busy_seconds(), _cpu_s(),
                                        _machine_busy_s())
-        if mode == "async":
-          source.metrics()  # reset the window
-      t0 = time.perf_counter()
-      # the JAX sampler takes the params tree; vLLM a Decoder (it packs a copy itself)
-      weights = learner.params if a.engine == "jax" else learner.model()
-      source.update_weights(weights, version=version0 + step)
-      t_sync = time.perf_counter() - t0
-      _, trajs = source.collect(step)
-      t1 = time.perf_counter()
-      train_phase(learner, trajs, setup.batch)
-      t2 = time.perf_counter()
+      m = rl_step(learner, source, step=step, version=version0 + step,
+                  advantage=AdvantageConfig(), batch_cfg=setup.batch).metrics
       if step >= warmup:
-        gen.append(t1 - t0)
-        train.append(t2 - t1)
-        sync_s.append(t_sync)
+        gen.append(m["time/generate_s"])
+        train.append(m["time/train_s"])
+        sync_s.append(m["time/update_weights_s"])
         if mode == "async":
-          rows.append(source.metrics())
+          rows.append(m)
     wall = time.perf_counter() - t_start
     busy = engine.busy_seconds() - busy0
     cpu = _cpu_s() - cpu0

@@ -31,8 +31,16 @@ class CheckpointConfig:
   async_save: bool = False        # save in a background thread (the step loop continues)
 
 
+def _key_data(rng):
+  """The raw key data of `rng`; for an abstract key (ShapeDtypeStruct), its abstract form."""
+  if isinstance(rng, jax.ShapeDtypeStruct):
+    out = jax.eval_shape(jax.random.key_data, rng)
+    return jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=rng.sharding)
+  return jax.random.key_data(rng)
+
+
 def _flatten(state: TrainState) -> dict[str, Any]:
-  state = dataclasses.replace(state, rng=jax.random.key_data(state.rng))
+  state = dataclasses.replace(state, rng=_key_data(state.rng))
   leaves, _ = jax.tree_util.tree_flatten_with_path(state)
   return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
 
@@ -60,8 +68,13 @@ class Checkpointer:
   def wait(self) -> None:
     self._mngr.wait_until_finished()
 
+  def read_extra(self, step: int) -> dict:
+    """Only the JSON side-car of step `step` (no arrays are read)."""
+    return self._mngr.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))["extra"]
+
   def restore(self, like: TrainState, step: Optional[int] = None) -> tuple[TrainState, dict]:
-    """Restores step `step` (default: latest) into the structure and shardings of `like`."""
+    """Restores step `step` (default: latest) into the structure and shardings of `like`
+    (arrays, or ShapeDtypeStructs with shardings: `learner.abstract_train_state`)."""
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
@@ -71,7 +84,7 @@ class Checkpointer:
     out = self._mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target), extra=ocp.args.JsonRestore()))
     flat = out["state"]
-    like_k = dataclasses.replace(like, rng=jax.random.key_data(like.rng))
+    like_k = dataclasses.replace(like, rng=_key_data(like.rng))
     paths, treedef = jax.tree_util.tree_flatten_with_path(like_k)
     missing = [jax.tree_util.keystr(p) for p, _ in paths if jax.tree_util.keystr(p) not in flat]
     if missing:

@@ -185,11 +185,50 @@ def train_step(state: TrainState, batch: TrainBatch, *, graphdef, tx: optax.Grad
   return new_state, out
 
 
+def _replicated(mesh: Optional[Mesh]):
+  return (NamedSharding(mesh, P()) if mesh is not None
+          else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+
+
+def abstract_train_state(model: Decoder, cfg: LearnerConfig,
+                         mesh: Optional[Mesh] = None) -> TrainState:
+  """The TrainState a `Learner(model, cfg, mesh=mesh)` would hold, as ShapeDtypeStructs with
+  their shardings; `model` may be abstract (`hf_io.abstract_model`). Nothing is allocated: this
+  is the restore target of a checkpoint."""
+  from posttrain_jax.models.hf_io import param_shardings
+  _, params = nnx.split(model, nnx.Param)
+  nested: dict = {}
+  for path, sharding in param_shardings(model, mesh).items():
+    d = nested
+    for k in path[:-1]:
+      d = d.setdefault(k, {})
+    d[path[-1]] = sharding
+  params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                        nnx.to_pure_dict(params), nested)
+  rep = _replicated(mesh)
+
+  def concrete(x):
+    sh = getattr(x, "sharding", None)
+    sh = NamedSharding(mesh, sh.spec) if mesh is not None and isinstance(sh, NamedSharding) else rep
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+
+  opt_state = jax.tree.map(concrete, jax.eval_shape(jax.jit(make_optimizer(cfg.optimizer).init),
+                                                    params))
+  rng = jax.eval_shape(lambda: jax.random.key(cfg.seed))
+  return TrainState(params=params, opt_state=opt_state,
+                    step=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+                    rng=jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=rep))
+
+
 class Learner:
-  """Holds the jitted step and shardings; `step(batch)` returns host metrics."""
+  """Holds the jitted step and shardings; `step(batch)` returns host metrics.
+
+  With `state` (e.g. restored from a checkpoint into `abstract_train_state`), `model` only
+  provides the graph (it may be abstract) and no initial state is built.
+  """
 
   def __init__(self, model: Decoder, cfg: LearnerConfig, loss_cfg=None,
-               mesh: Optional[Mesh] = None):
+               mesh: Optional[Mesh] = None, state: Optional[TrainState] = None):
     self.cfg = cfg
     self.spec = get_loss(cfg.loss)
     self.loss_cfg = loss_cfg if loss_cfg is not None else self.spec.config_cls()
@@ -198,16 +237,17 @@ class Learner:
                       f"{type(self.loss_cfg).__name__}")
     self.mesh = mesh
     self.graphdef, params = nnx.split(model, nnx.Param)
-    params = nnx.to_pure_dict(params)
     self.tx = make_optimizer(cfg.optimizer)
     self.schedule = learning_rate_schedule(cfg.optimizer)
-    opt_state = jax.jit(self.tx.init)(params)
-    state = TrainState(params=params, opt_state=opt_state,
-                       step=jnp.zeros((), jnp.int32), rng=jax.random.key(cfg.seed))
+    if state is None:
+      params = nnx.to_pure_dict(params)
+      opt_state = jax.jit(self.tx.init)(params)
+      state = TrainState(params=params, opt_state=opt_state,
+                         step=jnp.zeros((), jnp.int32), rng=jax.random.key(cfg.seed))
+    del params
     # Every leaf committed to an explicit sharding (scalars replicated), so the state the step
     # returns has the same signature as the one it took: one compilation, not two.
-    replicated = (NamedSharding(mesh, P()) if mesh is not None
-                  else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    replicated = _replicated(mesh)
     self._state_sharding = jax.tree.map(
         lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding)
         else replicated, state)

@@ -70,7 +70,7 @@ import numpy as np
 from posttrain_jax.registry import Registry
 from posttrain_jax.types import Trajectory
 
-DROP_REASONS = ("stale", "infra", "filter")
+DROP_REASONS = ("stale", "infra", "filter", "invalid")
 ORDERS = ("oldest_first", "fifo")
 STATE_FORMAT = 1
 
@@ -271,6 +271,30 @@ class ReplayQueue:
         if remaining is not None and remaining <= 0:
           return []
         self._cond.wait(remaining)
+
+  def requeue(self, key, payload) -> None:
+    """Returns claimed item `key` to the *end* of the backlog with a new payload (every attempt
+    of its episode failed on our side; it runs again after the work already waiting)."""
+    with self._cond:
+      if key not in self._inflight:
+        raise KeyError(f"work item {key!r} is not in flight")
+      del self._inflight[key]
+      self._backlog[key] = payload
+      self._changed()
+
+  def drop_work(self, key, reason: str) -> None:
+    """Releases claimed item `key` without a group, counted as a dropped group for `reason`
+    (e.g. "invalid": a task that can never run, such as a prompt longer than the engine's
+    limit). No trajectory was generated, so the trajectory accounting is unchanged."""
+    with self._cond:
+      if reason not in DROP_REASONS:
+        raise ValueError(f"drop reason {reason!r}; valid: {DROP_REASONS}")
+      if key not in self._inflight:
+        raise KeyError(f"work item {key!r} is not in flight")
+      del self._inflight[key]
+      self._count("generated_groups", 1)
+      self._count(f"dropped_groups_{reason}", 1)
+      self._changed()
 
   def unclaim(self, keys: Sequence) -> None:
     """Returns claimed items to the front of the backlog (an actor gave up: shutdown)."""

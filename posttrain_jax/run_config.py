@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional
 
+from posttrain_jax.actors.episode import RetryConfig
 from posttrain_jax.actors.pool import PoolConfig
 from posttrain_jax.actors.rollout import RolloutConfig
-from posttrain_jax.advantages import AdvantageConfig
+from posttrain_jax.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from posttrain_jax.batching import BatchConfig
 from posttrain_jax.checkpoint import CheckpointConfig
 from posttrain_jax.config_io import from_dict
-from posttrain_jax.engines.vllm_engine import VLLMEngineConfig
+from posttrain_jax.engines.registry import engine_names, engine_spec
 from posttrain_jax.envs import GENERATORS, TaskBankConfig
 from posttrain_jax.learner import LearnerConfig, OptimizerConfig
 from posttrain_jax.losses import CISPOConfig, GRPOConfig, get_loss
@@ -46,7 +47,6 @@ class SFTPhaseConfig:
 
 
 RL_MODES = ("sync", "async")
-RL_ENGINES = ("jax", "vllm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +54,12 @@ class RLPhaseConfig:
   """GRPO-family training on graded rollouts: generate-then-train ("sync", on-policy) or an actor
   pool sampling while the learner trains ("async", bounded staleness, see actors/pool.py)."""
   mode: str = "sync"              # "sync" | "async"
-  engine: str = "jax"             # rollout engine: "jax" (embedded sampler) | "vllm" (in-process vLLM)
-  vllm: VLLMEngineConfig = VLLMEngineConfig()  # engine="vllm": its settings (model = the GRPO start)
+  engine: str = "jax"             # rollout engine (engines/registry.py): jax | vllm | openai
+  engine_config: Any = None       # that engine's config (class from the registry); None = defaults
   replay: ReplayConfig = ReplayConfig()  # async: the replay queue (max_staleness, filter, ...)
-  pool: PoolConfig = PoolConfig()  # async: the actor pool (concurrency, retries, shutdown)
+  pool: PoolConfig = PoolConfig()  # async: the actor pool (concurrency, shutdown)
+  retry: RetryConfig = RetryConfig()  # failed episodes: retries with backoff, requeues (both modes)
+  async_correction: str = "tis"   # async: correction used when the loss's is "none" ("none" = off)
   steps: int = 100                # optimizer steps
   prompts_per_step: int = 32      # tasks per step; each is sampled rollout.group_size times
   rollout: RolloutConfig = RolloutConfig()
@@ -71,9 +73,24 @@ class RLPhaseConfig:
   def __post_init__(self):
     if self.mode not in RL_MODES:
       raise ValueError(f"RLPhaseConfig.mode is {self.mode!r}; valid: {RL_MODES}")
-    if self.engine not in RL_ENGINES:
-      raise ValueError(f"RLPhaseConfig.engine is {self.engine!r}; valid: {RL_ENGINES}")
-
+    if self.engine not in engine_names():
+      raise ValueError(f"RLPhaseConfig.engine is {self.engine!r}; valid: {engine_names()}")
+    CORRECTIONS.get(self.async_correction)
+    for name in ("steps", "prompts_per_step", "update_epochs"):
+      low = 0 if name == "steps" else 1
+      if getattr(self, name) < low:
+        raise ValueError(f"RLPhaseConfig.{name} must be ≥ {low}, got {getattr(self, name)}")
+    g = self.rollout.group_size
+    if ADVANTAGE_ESTIMATORS.get(self.advantage.estimator).kind == "group" and g < 2:
+      raise ValueError(f"advantage.estimator={self.advantage.estimator!r} is a group baseline: it "
+                       f"needs rollout.group_size ≥ 2 (got {g}); for one sample per prompt use "
+                       "'running'")
+    if self.mode == "async" and self.replay.min_scored > g:
+      raise ValueError(f"replay.min_scored={self.replay.min_scored} > rollout.group_size={g}: "
+                       "every group would be dropped; lower min_scored to at most group_size")
+    if self.prompts_per_step * g > self.batch.max_seqs:
+      raise ValueError(f"prompts_per_step × rollout.group_size = {self.prompts_per_step * g} "
+                       f"sequences exceed batch.max_seqs={self.batch.max_seqs}")
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
@@ -100,9 +117,27 @@ class RunConfig:
   mesh: MeshConfig = MeshConfig()
   stop_after_step: Optional[int] = None  # end the process after this global step (tests, preemption drills)
 
+  def __post_init__(self):
+    if self.sft.steps and self.sft.batch_size > self.sft.batch.max_seqs:
+      raise ValueError(f"sft.batch_size={self.sft.batch_size} exceeds "
+                       f"sft.batch.max_seqs={self.sft.batch.max_seqs}")
+
   def loss_config(self):
+    """The RL loss's config; in async mode a loss that can correct off-policy samples and was
+    given none gets `rl.async_correction` (stale samples are never trained as on-policy
+    silently)."""
     spec = get_loss(self.rl.learner.loss)
-    return self.rl.loss if self.rl.loss is not None else spec.config_cls()
+    cfg = self.rl.loss if self.rl.loss is not None else spec.config_cls()
+    names = {f.name for f in dataclasses.fields(cfg)}
+    if (self.rl.mode == "async" and "correction" in names and cfg.correction == "none"
+        and self.rl.async_correction != "none"):
+      cfg = dataclasses.replace(cfg, correction=self.rl.async_correction, correction_cfg=None)
+    return cfg
+
+  def engine_config(self):
+    """The rollout engine's config (`rl.engine_config`, or its defaults)."""
+    spec = engine_spec(self.rl.engine)
+    return self.rl.engine_config if self.rl.engine_config is not None else spec.config_cls()
 
 
 def _field(x, name):
@@ -111,6 +146,7 @@ def _field(x, name):
 
 _DYNAMIC = {
     (RLPhaseConfig, "loss"): lambda v: get_loss(_field(v["learner"], "loss")).config_cls,
+    (RLPhaseConfig, "engine_config"): lambda v: engine_spec(v["engine"]).config_cls,
     (TaskBankConfig, "generator_config"): lambda v: GENERATORS.get(v["generator"]).config_cls,
     (GRPOConfig, "correction_cfg"): lambda v: CORRECTIONS.get(v["correction"]).config_cls,
     (CISPOConfig, "correction_cfg"): lambda v: CORRECTIONS.get(v["correction"]).config_cls,

@@ -1,55 +1,62 @@
-"""The synchronous run: optional SFT warm-start, then GRPO on graded rollouts, with held-out eval.
+"""The run: optional SFT warm-start, then GRPO-family RL on graded rollouts, with held-out eval.
 
     for step in SFT steps:  batch of reference solutions -> learner(sft)
-    export the warm-start model (the GRPO start and the KL reference)
-    for step in RL steps:
-        tasks -> engine.generate(G per task) -> grade -> Trajectories
-        advantages per group (infra errors excluded) -> packed TrainBatch -> learner(grpo)
-        engine.update_weights(new params, version = step)
+    export the warm-start model (the RL start and the KL reference), then checkpoint
+    for step in RL steps:   rl_step (rl_step.py): weights -> rollouts -> advantages -> update
 
 Global step numbering runs through both phases, so one checkpoint series, one metrics file
 and one progress bar cover the run. A checkpoint holds the TrainState, the task iterator's
-state, the reward history and the held-out "before" accuracy; sampling seeds derive from
-(seed, step). Resuming therefore replays exactly the steps an uninterrupted run would take.
+state, the rollout source's state, the running baseline, the reward history, the held-out
+"before" accuracy and the config; sampling seeds derive from (seed, step). Resuming therefore
+replays exactly the steps an uninterrupted run would take (sync mode).
+
+Resume: the side-car is read first and the config compared with the saved one (fields that
+change what the saved state means are refused, the rest are printed); the TrainState is
+restored into abstract shapes (no second copy is ever built). The SFT -> RL boundary is atomic:
+`sft_model/` is exported before the step-`sft.steps` checkpoint is written, and re-exported from
+that checkpoint if it is missing.
 
 With `rl.mode = "async"` an actor pool samples while the learner trains (actors/pool.py): the
 batch of a step may come from older policy versions (at most `rl.replay.max_staleness` behind),
-`old_logp` is recomputed by the learner whenever the loss has an off-policy correction, and the
-checkpoint also holds the replay queue and unfinished work (no trajectory lost or trained twice
-on resume; data order is not reproduced).
+corrected off-policy (`rl.async_correction`, TIS by default); the checkpoint also holds the
+replay queue and unfinished work (no trajectory lost or trained twice on resume; data order is
+not reproduced).
 """
 from __future__ import annotations
 
 import base64
 import dataclasses
 import json
-import math
 import pathlib
 import time
 import zlib
-from typing import Optional
+from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from posttrain_jax import batching
 from posttrain_jax.actors.pool import AsyncRollouts
-from posttrain_jax.actors.rollout import SyncRollouts, encode_prompt
-from posttrain_jax.advantages import compute_advantages
+from posttrain_jax.actors.rollout import SyncRollouts, TaskEpisode, draw_task, encode_prompt
+from posttrain_jax.advantages import BaselineState
 from posttrain_jax.checkpoint import Checkpointer
-from posttrain_jax.config_io import to_dict
+from posttrain_jax.config_io import ConfigTypeError, to_dict
 from posttrain_jax.engines.base import SamplingParams
-from posttrain_jax.engines.jax_sampler import JaxSampler, JaxSamplerConfig
+from posttrain_jax.engines.registry import EngineContext, engine_spec
 from posttrain_jax.envs import TaskBank, make_grader, solution_text
-from posttrain_jax.learner import Learner
+from posttrain_jax.learner import Learner, abstract_train_state
 from posttrain_jax.metrics import MetricsWriter, plot_run, read_metrics
 from posttrain_jax.models import hf_io
 from posttrain_jax.models.tiny import build_tiny_model
-from posttrain_jax.run_config import RunConfig
+from posttrain_jax.rl_step import rl_step
+from posttrain_jax.run_config import RunConfig, run_config_from_dict
 from posttrain_jax.sharding import make_mesh
-from posttrain_jax.types import Status
+
+# Config fields whose change makes a checkpoint mean something else: resuming is refused.
+_FIXED_ON_RESUME = ("seed", "model", "tasks", "sft.steps", "sft.batch_size", "sft.answer_style",
+                    "rl.mode", "rl.rollout.group_size", "rl.prompts_per_step",
+                    "rl.learner.loss", "rl.advantage.estimator", "mesh")
 
 
 class Trainer:
@@ -63,15 +70,23 @@ class Trainer:
     self.model_dir = (pathlib.Path(cfg.model.path) if cfg.model.path
                       else build_tiny_model(cfg.model.tiny))
     self.tokenizer = hf_io.load_tokenizer(self.model_dir)
-    model_cfg = hf_io.read_model_config(self.model_dir)
-    eos = model_cfg.eos_token_id
+    self.model_cfg = hf_io.read_model_config(self.model_dir)
+    eos = self.model_cfg.eos_token_id
     self.stop_ids = tuple(eos) if isinstance(eos, tuple) else ((eos,) if eos is not None else ())
     if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in self.stop_ids:
       self.stop_ids = (self.tokenizer.eos_token_id,) + self.stop_ids
+    # Checked before anything runs: an engine that cannot start fails now, not after SFT.
+    self.engine_spec = engine_spec(cfg.rl.engine)
+    self.engine_cfg = cfg.engine_config()
+    if cfg.rl.steps and self.engine_spec.check is not None:
+      self.engine_spec.check(self.engine_cfg, self.model_cfg,
+                             max(cfg.rl.rollout.max_tokens, cfg.eval.max_tokens))
+    self.loss_cfg = cfg.loss_config()
     self.mesh = make_mesh(cfg.mesh)
     tasks_cfg = dataclasses.replace(cfg.tasks, process_index=jax.process_index(),
                                     process_count=jax.process_count())
     self.bank = TaskBank(tasks_cfg)
+    self._check_data_budget()
     self.tasks = self.bank.iterator()
     self.held_out = self.bank.eval_tasks()
     self.grader = make_grader(cfg.grader)
@@ -80,20 +95,67 @@ class Trainer:
     self.total_steps = cfg.sft.steps + cfg.rl.steps
     self.rewards: list[float] = []
     self.heldout_before: Optional[dict] = None
+    self.baseline = BaselineState()
     self._source = None                       # the RL phase's rollout source (sync or async)
     self._engine_obj = None                   # the RL phase's engine (closed at the end)
     self._source_state: Optional[dict] = None  # its checkpointed state, restored when it starts
+    self._drawn = 0                            # SFT tasks drawn (for the exhausted-data message)
+
+  # ------------------------------------------------------------------ checks
+  def _check_data_budget(self) -> None:
+    """A finite task bank must hold the tasks the run draws (async may draw a few more)."""
+    cfg = self.cfg
+    if self.bank.endless or cfg.tasks.num_epochs is None:
+      return
+    have = len(self.bank.dataset())
+    need = cfg.sft.steps * cfg.sft.batch_size + cfg.rl.steps * cfg.rl.prompts_per_step
+    if need > have:
+      raise ConfigTypeError(
+          f"config.tasks.num_epochs={cfg.tasks.num_epochs}: the task bank yields {have} tasks "
+          f"but the run draws {need} (sft.steps × sft.batch_size + rl.steps × "
+          f"rl.prompts_per_step); raise num_epochs, set it to None to cycle, or train fewer steps")
+
+  def _check_resume_config(self, saved: Optional[dict]) -> None:
+    if not saved:
+      return
+    diffs = _diff(saved, to_dict(self.cfg))
+    fixed = [d for d in diffs if any(d == f or d.startswith(f + ".") for f in _FIXED_ON_RESUME)]
+    if fixed:
+      raise ConfigTypeError(
+          f"the checkpoint in {self.ckpt.directory} was written with a different "
+          f"{', '.join(fixed)} (saved vs now: "
+          + "; ".join(f"{d}: {_get(saved, d)!r} vs {_get(to_dict(self.cfg), d)!r}" for d in fixed)
+          + "); resume with the saved values or start over with --noresume")
+    benign = [d for d in diffs if d not in fixed and d not in ("workdir", "stop_after_step")]
+    if benign:
+      self.log("resuming with a changed config: " + "; ".join(
+          f"{d}: {_get(saved, d)!r} -> {_get(to_dict(self.cfg), d)!r}" for d in benign))
 
   # ------------------------------------------------------------------ helpers
-  def _load(self, path) -> "hf_io.Decoder":
+  def _overrides(self) -> dict:
     m = self.cfg.model
-    return hf_io.load_hf_model(path, mesh=self.mesh, param_dtype=m.param_dtype,
-                               compute_dtype=m.compute_dtype, remat=m.remat)
+    return dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat)
+
+  def _load(self, path) -> "hf_io.Decoder":
+    return hf_io.load_hf_model(path, mesh=self.mesh, **self._overrides())
+
+  def _learner(self, base: pathlib.Path, learner_cfg, loss_cfg=None,
+               restore_step: Optional[int] = None) -> Learner:
+    """A learner starting from the HF weights in `base`, or from checkpoint `restore_step`
+    (restored into abstract shapes: no initial state is built beside it)."""
+    if restore_step is None:
+      return Learner(self._load(base), learner_cfg, loss_cfg, mesh=self.mesh)
+    model = hf_io.abstract_model(hf_io.read_model_config(base, **self._overrides()), self.mesh)
+    state, _ = self.ckpt.restore(abstract_train_state(model, learner_cfg, self.mesh),
+                                 restore_step)
+    return Learner(model, learner_cfg, loss_cfg, mesh=self.mesh, state=state)
 
   def _extra(self, step: int) -> dict:
     return {"step": step, "tasks_state": base64.b64encode(self.tasks.get_state_bytes()).decode(),
             "rewards": self.rewards, "heldout_before": self.heldout_before,
-            "rollouts": self._source.state() if self._source is not None else None,
+            "rollouts": self._source.state() if self._source is not None else self._source_state,
+            "baseline": {"task_means": dict(self.baseline.task_means),
+                         "global_mean": self.baseline.global_mean},
             "config": to_dict(self.cfg)}
 
   def _save(self, step: int, learner: Learner, force: bool = False) -> None:
@@ -117,30 +179,39 @@ class Trainer:
     return out
 
   def _engine(self, learner: Learner, base: pathlib.Path):
-    """The rollout engine of `rl.engine`, serving `base` (the GRPO start) at version 0."""
-    if self.cfg.rl.engine == "jax":
-      return self._sampler(learner.model())
-    from posttrain_jax.engines.vllm_engine import VLLMEngine  # optional dependency
-    vcfg = dataclasses.replace(self.cfg.rl.vllm, model=str(base))
-    return _DecoderWeights(VLLMEngine(vcfg), learner.graphdef)
-
-  def _sampler(self, model) -> JaxSampler:
+    """An engine of `rl.engine` serving `base` (the RL start) at version 0."""
     max_prompt = max([len(encode_prompt(self.tokenizer, t)) for t in self.held_out[:64]] + [64])
-    return JaxSampler(model, JaxSamplerConfig(max_prompt_len=max(256, 2 * max_prompt),
-                                              pad_id=self.tokenizer.pad_token_id or 0))
+    ctx = EngineContext(model_dir=base, model_config=self.model_cfg, model=learner.model(),
+                        graphdef=learner.graphdef, max_prompt_len=max_prompt,
+                        max_tokens=max(self.cfg.rl.rollout.max_tokens, self.cfg.eval.max_tokens),
+                        pad_id=self.tokenizer.pad_token_id or 0)
+    return self.engine_spec.build(self.engine_cfg, ctx)
+
+  def _rollout_source(self, learner: Learner, engine, base: pathlib.Path):
+    cfg = self.cfg.rl
+    if cfg.mode == "async":  # an engine that is not shareable gets a second instance
+      pool_engine = engine if self.engine_spec.shareable else self._engine(learner, base)
+      episode = TaskEpisode(pool_engine, self.tokenizer, self.grader, cfg.rollout, self.stop_ids)
+      self.log(f"async rollouts: off-policy correction "
+               f"{getattr(self.loss_cfg, 'correction', 'none')!r} on samples up to "
+               f"{cfg.replay.max_staleness} versions stale (rl.async_correction)")
+      return AsyncRollouts(episode, self.tasks, cfg.rollout.group_size, cfg.prompts_per_step,
+                           seed=self.cfg.seed, replay=cfg.replay, pool=cfg.pool, retry=cfg.retry,
+                           copy_weights=not self.engine_spec.copies_weights)
+    episode = TaskEpisode(engine, self.tokenizer, self.grader, cfg.rollout, self.stop_ids)
+    return SyncRollouts(episode, self.tasks, cfg.rollout.group_size, cfg.prompts_per_step,
+                        seed=self.cfg.seed, retry=cfg.retry)
 
   # ------------------------------------------------------------------ phases
-  def _sft(self, start: int, state, bar, writer) -> int:
+  def _sft(self, start: int, resume: bool, bar, writer) -> int:
     cfg = self.cfg.sft
-    learner = Learner(self._load(self.model_dir), cfg.learner, mesh=self.mesh)
-    if state is not None:
-      learner.restore(state)
+    learner = self._learner(self.model_dir, cfg.learner, restore_step=start if resume else None)
     eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
     for step in range(start, cfg.steps):
       t0 = time.perf_counter()
       trajs = []
       for i in range(cfg.batch_size):
-        task = next(self.tasks)
+        task = draw_task(self.tasks, step * cfg.batch_size + i)
         answer = self.tokenizer.encode(solution_text(task, cfg.answer_style), add_special_tokens=False)
         trajs.append(batching.sft_trajectory(encode_prompt(self.tokenizer, task), answer + eos,
                                              f"sft{step}/{i}", task.id))
@@ -151,78 +222,63 @@ class Trainer:
       writer.write(step + 1, metrics)
       bar.update(1)
       bar.set_postfix(phase="sft", loss=f"{metrics['sft/loss']:.3f}")
+      if step + 1 == cfg.steps:
+        self._export_sft(learner)  # before the boundary checkpoint: the boundary is atomic
       self._save(step + 1, learner, force=step + 1 == cfg.steps)
       if self._stop(step + 1):
         return step + 1
-    if jax.process_index() == 0 and not (self.sft_dir / "config.json").exists():
-      hf_io.save_hf_model(learner.model(), self.sft_dir, tokenizer_dir=self.model_dir)
     return cfg.steps
 
-  def _rl(self, start: int, state, bar, writer) -> int:
+  def _export_sft(self, learner: Learner) -> None:
+    hf_io.save_hf_model(learner.model(), self.sft_dir, tokenizer_dir=self.model_dir)
+
+  def _ensure_sft_model(self) -> None:
+    """At the boundary: re-export sft_model/ from the step-`sft.steps` checkpoint if missing."""
+    if (self.sft_dir / "config.json").exists():
+      return
+    steps = self.cfg.sft.steps
+    if self.ckpt.latest_step() != steps:
+      raise FileNotFoundError(f"{self.sft_dir} is missing and there is no step-{steps} "
+                              f"checkpoint in {self.ckpt.directory} to export it from")
+    self.log(f"re-exporting {self.sft_dir} from checkpoint {steps}")
+    self._export_sft(self._learner(self.model_dir, self.cfg.sft.learner, restore_step=steps))
+
+  def _rl(self, start: int, resume: bool, bar, writer) -> int:
     cfg = self.cfg.rl
     base = self.sft_dir if self.cfg.sft.steps > 0 else self.model_dir
-    learner = Learner(self._load(base), cfg.learner, self.cfg.loss_config(), mesh=self.mesh)
-    reference = None  # the warm-start weights, copied: the learner donates its own buffers
-    if getattr(self.cfg.loss_config(), "kl_coef", 0.0) > 0 or cfg.reference_kl:
-      reference = jax.tree.map(jnp.copy, learner.state.params)
+    learner = self._learner(base, cfg.learner, self.loss_cfg,
+                            restore_step=start if resume else None)
+    reference = None  # the warm-start weights: a loss term needs them, or a KL is reported
+    if "ref_logp" in learner.spec.needs(self.loss_cfg) or cfg.reference_kl:
+      reference = nnx.to_pure_dict(nnx.state(self._load(base), nnx.Param))
     engine = self._engine_obj = self._engine(learner, base)
-    if cfg.mode == "async":  # the pool gets its own sampler: it decodes while `engine` evaluates
-      pool_engine = self._sampler(learner.model()) if cfg.engine == "jax" else engine
-      source = AsyncRollouts(pool_engine, self.tasks, self.tokenizer,
-                             self.grader, cfg.rollout, self.stop_ids, cfg.prompts_per_step,
-                             seed=self.cfg.seed, replay=cfg.replay, pool=cfg.pool)
-    else:
-      source = SyncRollouts(engine, self.tasks, self.tokenizer, self.grader, cfg.rollout,
-                            self.stop_ids, cfg.prompts_per_step, seed=self.cfg.seed)
-    self._source = source
+    source = self._source = self._rollout_source(learner, engine, base)
     if self._source_state:
       source.restore(self._source_state)
     if self.heldout_before is None:
       self.heldout_before = self.evaluate(engine)
       writer.write(start, dict(self.heldout_before))
-      self.log(f"held-out before GRPO: {_fmt(self.heldout_before)}")
-    if state is not None:
-      learner.restore(state)
+      self.log(f"held-out before RL: {_fmt(self.heldout_before)}")
     sft_steps = self.cfg.sft.steps
     for step in range(start, self.total_steps):
-      rl_step = step - sft_steps
+      version = step - sft_steps
       t0 = time.perf_counter()
-      source.update_weights(learner.params, version=rl_step)
-      tasks, trajs = source.collect(step)
-      t_gen = time.perf_counter() - t0
-      adv = compute_advantages(trajs, cfg.advantage)
-      keep = [t for t, k in zip(trajs, adv.keep) if k]
-      batch = batching.build_batch(keep, adv.advantages[adv.keep].tolist(), cfg.batch)
-      if reference is not None:
-        batch = dataclasses.replace(batch, ref_logp=np.asarray(learner.logprobs(batch, reference)))
-      if cfg.update_epochs > 1 or getattr(learner.loss_cfg, "correction", "none") != "none":
-        batch = dataclasses.replace(batch, old_logp=np.asarray(learner.logprobs(batch)))
-      t1 = time.perf_counter()
-      for _ in range(cfg.update_epochs):
-        metrics = learner.step(batch)
-      t_train = time.perf_counter() - t1
-      scored = [t for t in keep if t.reward is not None]
-      reward = float(np.mean([t.reward for t in scored])) if scored else float("nan")
-      self.rewards.append(reward)
-      metrics.update({
-          "reward/mean": reward,
-          "response_len/mean": float(np.mean([t.num_sampled for t in trajs])),
-          "truncated_frac": float(np.mean([t.status is Status.TRUNCATED for t in trajs])),
-          "infra_error_frac": adv.stats["infra_error_frac"],
-          "zero_var_group_frac": adv.stats.get("zero_var_group_frac", 0.0),
-          "time/generate_s": t_gen, "time/train_s": t_train,
-          "time/step_s": time.perf_counter() - t0,
-          "policy_version": rl_step + 1,
-          "data/hash": _data_hash([t.id for t in tasks]),
-      })
-      metrics.update(source.metrics())
-      if self.cfg.eval.every_steps and (rl_step + 1) % self.cfg.eval.every_steps == 0 \
+      out = rl_step(learner, source, step=step, version=version, advantage=cfg.advantage,
+                    batch_cfg=cfg.batch, update_epochs=cfg.update_epochs,
+                    baseline=self.baseline, reference=reference)
+      self.baseline = out.baseline if out.baseline is not None else self.baseline
+      metrics = out.metrics
+      self.rewards.append(metrics["reward/mean"])
+      metrics.update({"time/step_s": time.perf_counter() - t0, "policy_version": version + 1,
+                      "data/hash": _data_hash([t.id for t in out.tasks])})
+      if self.cfg.eval.every_steps and (version + 1) % self.cfg.eval.every_steps == 0 \
           and step + 1 < self.total_steps:
-        engine.update_weights(learner.params, version=rl_step + 1)
+        engine.update_weights(learner.params, version=version + 1)
         metrics.update(self.evaluate(engine))
       writer.write(step + 1, metrics)
       bar.update(1)
-      bar.set_postfix(phase="grpo", reward=f"{reward:.3f}", loss=f"{metrics['loss']:.4f}")
+      bar.set_postfix(phase="rl", reward=f"{metrics['reward/mean']:.3f}",
+                      loss=f"{metrics.get('loss', float('nan')):.4f}")
       self._save(step + 1, learner, force=step + 1 == self.total_steps)
       if self._stop(step + 1):
         return step + 1
@@ -230,8 +286,7 @@ class Trainer:
     engine.update_weights(learner.params, version=cfg.steps)
     self.final_eval = self.evaluate(engine)
     writer.write(self.total_steps, dict(self.final_eval))
-    if jax.process_index() == 0:
-      hf_io.save_hf_model(learner.model(), self.workdir / "final_model", tokenizer_dir=self.model_dir)
+    hf_io.save_hf_model(learner.model(), self.workdir / "final_model", tokenizer_dir=self.model_dir)
     return self.total_steps
 
   def _stop(self, step: int) -> bool:
@@ -243,16 +298,18 @@ class Trainer:
     from tqdm import tqdm
 
     t_start = time.perf_counter()
-    start, state = 0, None
+    start = 0
     latest = self.ckpt.latest_step()
     if latest is not None:
-      like = self._like_state(latest)
-      state, extra = self.ckpt.restore(like, latest)
+      extra = self.ckpt.read_extra(latest)
+      self._check_resume_config(extra.get("config"))
       start = int(extra["step"])
       self.tasks.set_state_bytes(base64.b64decode(extra["tasks_state"]))
       self.rewards = list(extra["rewards"])
       self.heldout_before = extra["heldout_before"]
       self._source_state = extra.get("rollouts")
+      b = extra.get("baseline") or {}
+      self.baseline = BaselineState(dict(b.get("task_means", {})), b.get("global_mean"))
       self.log(f"resumed from {self.ckpt.directory}/{latest} (step {start})")
     writer = MetricsWriter(self.workdir, resume_step=start if latest is not None else None)
     (self.workdir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=1))
@@ -261,13 +318,13 @@ class Trainer:
     try:
       step = start
       if step < self.cfg.sft.steps:
-        step = self._sft(step, state, bar, writer)
-        state = None
+        step = self._sft(step, latest is not None, bar, writer)
         if step < self.cfg.sft.steps or self._stop(step):
           return None
-      elif step == self.cfg.sft.steps:
-        state = None  # a boundary checkpoint holds SFT state; GRPO starts from sft_model
-      step = self._rl(step, state, bar, writer)
+      if self.cfg.sft.steps:
+        self._ensure_sft_model()
+      # a checkpoint at the boundary holds SFT state: RL starts from sft_model/
+      step = self._rl(step, latest is not None and start > self.cfg.sft.steps, bar, writer)
       if step < self.total_steps:
         return None
     finally:
@@ -280,19 +337,11 @@ class Trainer:
       writer.close()
     return self._finish(time.perf_counter() - t_start)
 
-  def _like_state(self, step: int):
-    """A TrainState of the right structure/shardings for the phase `step` belongs to."""
-    cfg = self.cfg
-    if step <= cfg.sft.steps and cfg.sft.steps:
-      return Learner(self._load(self.model_dir), cfg.sft.learner, mesh=self.mesh).state
-    base = self.sft_dir if cfg.sft.steps > 0 else self.model_dir
-    return Learner(self._load(base), cfg.rl.learner, cfg.loss_config(), mesh=self.mesh).state
-
   def _finish(self, seconds: float) -> dict:
     rows = read_metrics(self.workdir / "metrics.jsonl") if (self.workdir / "metrics.jsonl").exists() else []
     if jax.process_index() == 0 and rows:
       plot_run(rows, self.workdir / "plot.png")
-    r = self.rewards
+    r = [x for x in self.rewards if x == x]
     result = {
         "heldout_before": self.heldout_before.get("eval/accuracy", float("nan")),
         "heldout_after": self.final_eval.get("eval/accuracy", float("nan")),
@@ -306,25 +355,20 @@ class Trainer:
     return result
 
 
-class _DecoderWeights:
-  """Engine wrapper: the learner's params dict becomes a Decoder (HF names) for engines
-  outside this process."""
+def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+  """Dotted paths where two config dicts differ."""
+  if isinstance(a, dict) and isinstance(b, dict):
+    out = []
+    for k in sorted(set(a) | set(b)):
+      out += _diff(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else k)
+    return out
+  return [] if a == b else [prefix]
 
-  def __init__(self, engine, graphdef):
-    self.engine, self.graphdef = engine, graphdef
 
-  @property
-  def version(self) -> int:
-    return self.engine.version
-
-  def generate(self, *args, **kwargs):
-    return self.engine.generate(*args, **kwargs)
-
-  def update_weights(self, params, version: int) -> None:
-    self.engine.update_weights(nnx.merge(self.graphdef, params), version)
-
-  def __getattr__(self, name):  # close(), last_weight_sync, ...
-    return getattr(self.engine, name)
+def _get(d: dict, path: str):
+  for k in path.split("."):
+    d = d.get(k) if isinstance(d, dict) else None
+  return d
 
 
 def _data_hash(task_ids) -> float:
@@ -340,3 +384,6 @@ def result_line(result: dict) -> str:
   keys = ("heldout_before", "heldout_after", "reward_first10", "reward_last10", "minutes")
   return "RESULT " + " ".join(f"{k}={result[k]:.4f}" if k != "minutes" else f"{k}={result[k]:.2f}"
                               for k in keys)
+
+
+__all__ = ["Trainer", "result_line", "run_config_from_dict"]

@@ -1,5 +1,6 @@
-"""Actor pool and AsyncRollouts with fake engines: retries then infra_error (never reward 0),
-back-pressure, shutdown that does not hang, version tags, and state/restore without loss."""
+"""Actor pool and AsyncRollouts with fake engines: retries, requeue, then infra_error (never
+reward 0), back-pressure, shutdown that does not hang, version tags, and state/restore without
+loss."""
 import asyncio
 import itertools
 import random
@@ -9,8 +10,9 @@ import time
 import jax.numpy as jnp
 import pytest
 
-from posttrain_jax.actors.pool import ActorPool, AsyncRollouts, PoolConfig, TaskEpisode
-from posttrain_jax.actors.rollout import RolloutConfig
+from posttrain_jax.actors.episode import RetryConfig, WorkItem
+from posttrain_jax.actors.pool import ActorPool, AsyncRollouts, PoolConfig
+from posttrain_jax.actors.rollout import RolloutConfig, TaskEpisode
 from posttrain_jax.engines.base import Completion
 from posttrain_jax.envs import GradeResult, Task
 from posttrain_jax.replay import ReplayConfig, ReplayQueue
@@ -65,7 +67,11 @@ def tasks(n=None, start=0):
 
 def episode(engine):
   return TaskEpisode(engine, Tokenizer(), grader, RolloutConfig(group_size=G, max_tokens=6),
-                     stop_token_ids=[1], seed=0)
+                     stop_token_ids=[1])
+
+
+def pool_of(queue, engine, retry=RetryConfig(backoff_s=0.001), **cfg):
+  return ActorPool(queue, episode(engine), PoolConfig(**cfg), retry, group_size=G)
 
 
 class RecordingQueue(ReplayQueue):
@@ -94,16 +100,16 @@ def run_pool(pool, until, timeout=20.0):
 
 def add_tasks(queue, n):
   for i, t in enumerate(tasks(n)):
-    queue.add_work(i, {"draw": i, "task": t.to_dict()})
+    queue.add_work(i, WorkItem(i, t).to_dict())
 
 
-def test_engine_errors_are_retried_then_infra_error_never_reward_zero():
+def test_engine_errors_are_retried_requeued_then_infra_error_never_reward_zero():
   always = tuple(Tokenizer().apply_chat_template([{"content": "3+3="}]))
   engine = FakeEngine(fail=lambda key, nth: key == (always,) or nth == 1)
   q = RecordingQueue(ReplayConfig(max_staleness=None), group_size=G)
   add_tasks(q, 6)
-  pool = ActorPool(q, episode(engine), PoolConfig(concurrency=3, max_retries=2,
-                                                  retry_backoff_s=0.001))
+  pool = pool_of(q, engine, RetryConfig(max_retries=2, backoff_s=0.001, max_requeues=1),
+                 concurrency=3)
   run_pool(pool, lambda: pool.counters["groups"] == 6)
   by_task = {g[0].task_id: g for g in q.pushed}
   assert sorted(by_task) == [f"t{i}" for i in range(6)]
@@ -115,8 +121,10 @@ def test_engine_errors_are_retried_then_infra_error_never_reward_zero():
     else:                 # first attempt failed, the retry worked
       assert all(t.status is Status.OK and t.reward is not None for t in group)
       assert all(t.metrics["attempt"] == 1 for t in group)
+  assert by_task["t3"][0].metrics["requeues"] == 1   # requeued once, then given up
+  assert engine.calls[(always,)] == 2 * 3             # (1 + 2 retries) before and after the requeue
   c = pool.counters
-  assert (c["engine_errors"], c["retries"], c["failed_episodes"]) == (5 + 3, 5 + 2, 1)
+  assert (c["engine_errors"], c["retries"], c["requeued"], c["given_up"]) == (5 + 6, 5 + 4, 1, 1)
   s = q.stats()
   assert s["replay/dropped_infra"] == G and s["replay/generated"] == 6 * G
   assert s["replay/total/unaccounted"] == 0
@@ -126,7 +134,7 @@ def test_slow_engine_back_pressure_and_prompt_graceful_shutdown():
   engine = FakeEngine(delay=0.15)
   q = ReplayQueue(ReplayConfig(capacity=3, max_staleness=None), group_size=G)
   add_tasks(q, 20)
-  pool = ActorPool(q, episode(engine), PoolConfig(concurrency=4, shutdown_grace_s=5.0))
+  pool = pool_of(q, engine, concurrency=4, shutdown_grace_s=5.0)
   seen = []
 
   def until():
@@ -139,7 +147,7 @@ def test_slow_engine_back_pressure_and_prompt_graceful_shutdown():
   assert q.depth()["ready_groups"] == 3           # producers wait: nobody consumed
   # graceful: episodes in flight at stop() finish and are pushed, none is cancelled
   got = q.get(2)
-  pool2 = ActorPool(q, episode(engine), PoolConfig(concurrency=4, shutdown_grace_s=5.0))
+  pool2 = pool_of(q, engine, concurrency=4, shutdown_grace_s=5.0)
   run_pool(pool2, lambda: q.depth()["in_flight"] == 2)
   assert pool2.counters["cancelled_episodes"] == 0 and q.depth()["in_flight"] == 0
   d = q.depth()
@@ -151,7 +159,7 @@ def test_shutdown_does_not_hang_on_a_stuck_engine():
   engine = FakeEngine(block=release)
   q = ReplayQueue(ReplayConfig(capacity=8, max_staleness=None), group_size=G)
   add_tasks(q, 5)
-  pool = ActorPool(q, episode(engine), PoolConfig(concurrency=2, shutdown_grace_s=0.2))
+  pool = pool_of(q, engine, concurrency=2, shutdown_grace_s=0.2)
   try:
     stop_s = run_pool(pool, lambda: q.depth()["in_flight"] == 2)
     assert stop_s < 2.0
@@ -164,11 +172,10 @@ def test_shutdown_does_not_hang_on_a_stuck_engine():
 
 def test_async_rollouts_versions_staleness_and_resume_without_loss():
   engine = FakeEngine(delay=0.02)
-  cfg = RolloutConfig(group_size=G, max_tokens=6)
   replay = ReplayConfig(capacity=16, max_staleness=1)
   params = {"w": jnp.ones((4, 4))}
-  src = AsyncRollouts(engine, tasks(), Tokenizer(), grader, cfg, [1], prompts_per_step=2,
-                      replay=replay, pool=PoolConfig(concurrency=2))
+  src = AsyncRollouts(episode(engine), tasks(), G, prompts_per_step=2, replay=replay,
+                      pool=PoolConfig(concurrency=2))
   trained = []
   try:
     for v in range(4):
@@ -194,8 +201,8 @@ def test_async_rollouts_versions_staleness_and_resume_without_loss():
   assert draws == list(range(state["next_draw"]))
   # resume (as the trainer does, at the next version): the saved groups are trained or dropped
   # as stale (counted), the unfinished work is re-run under the same group ids, new draws go on
-  resumed = AsyncRollouts(FakeEngine(), tasks(start=state["next_draw"]), Tokenizer(), grader, cfg,
-                          [1], prompts_per_step=2, replay=replay, pool=PoolConfig(concurrency=2))
+  resumed = AsyncRollouts(episode(FakeEngine()), tasks(start=state["next_draw"]), G,
+                          prompts_per_step=2, replay=replay, pool=PoolConfig(concurrency=2))
   resumed.restore(state)
   after = []
   try:

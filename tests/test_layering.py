@@ -6,13 +6,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Rank of each top-level part; a module may import parts of its own rank or lower only.
 RANKS = {
-    "registry": 0, "types": 0, "config_io": 0,
+    "registry": 0, "types": 0, "config_io": 0, "errors": 0,
     "kernels": 1, "sharding": 1,
     "losses": 2, "envs": 2, "advantages": 2, "batching": 2, "metrics": 2, "checkpoint": 2,
     "models": 3,
     "learner": 4, "engines": 4,
     "actors": 5, "replay": 5, "byoh": 5,
-    "run_config": 6, "trainer": 6,
+    "run_config": 6, "trainer": 6, "rl_step": 6,
     "launch": 7, "configs": 7,
 }
 

@@ -15,7 +15,8 @@ TINY = {k: getattr(vt.TINY, k) for k in ("vocab_size", "hidden_size", "intermedi
 def test_grpo_with_vllm_engine(tmp_path):
   cfg = tiny_run(tmp_path / "run", model={"tiny": {**TINY, "corpus_lines": 500}},
                  rl={"steps": 3, "prompts_per_step": 2, "engine": "vllm",
-                     "vllm": {"dtype": "float32", "max_model_len": 256, "enforce_eager": True},
+                     "engine_config": {"dtype": "float32", "max_model_len": 256,
+                                       "enforce_eager": True},
                      "rollout": {"group_size": 4, "max_tokens": 4},
                      "learner": {"loss": "grpo", "optimizer": {"learning_rate": 1e-3}},
                      "batch": {"rows": 8, "seq_len": 32, "max_seqs": 8, "pack": False}})

@@ -2,9 +2,11 @@
 
     worker (asyncio, `concurrency` of them):
         claim work items from the replay queue (admission: capacity + bounded staleness)
-        run the episode in a thread (sync engines block; JAX releases the GIL while it computes)
-        on an engine error: retry with exponential backoff, at most `max_retries` times;
-            then push the group as `infra_error` (never reward 0; the queue drops it as "infra")
+        run the episode (actors/episode.py; a plain `run` in a thread, a coroutine awaited)
+        on our failure: retry with capped exponential backoff (RetryConfig); a task whose every
+            attempt failed goes back to the backlog (requeued, counted) up to `max_requeues`
+            times, then its group is pushed as `infra_error` (never reward 0; the queue drops it
+            as "infra"); a task that can never run is dropped as "invalid"
         push the graded group to the queue (atomically releasing the claim)
 
 `AsyncRollouts` runs the pool on its own event loop in a background thread and offers the
@@ -44,13 +46,16 @@ import dataclasses
 import inspect
 import threading
 import time
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from posttrain_jax.actors.rollout import RolloutConfig, rollout_groups
-from posttrain_jax.engines.base import Engine, EngineError
+from posttrain_jax.actors.episode import (
+    Episode, InvalidTaskError, RetryConfig, WorkItem, all_infra, drop_invalid, infra_group,
+    requeue_or_give_up)
+from posttrain_jax.actors.rollout import DataExhaustedError, draw_task
+from posttrain_jax.engines.base import Engine
 from posttrain_jax.envs import Task
 from posttrain_jax.replay import ReplayConfig, ReplayQueue
 from posttrain_jax.types import Trajectory
@@ -58,11 +63,9 @@ from posttrain_jax.types import Trajectory
 
 @dataclasses.dataclass(frozen=True)
 class PoolConfig:
-  """The actor pool (async mode)."""
+  """The actor pool (async mode). Retries and requeues: `RLPhaseConfig.retry` (RetryConfig)."""
   concurrency: int = 2            # episodes in flight at once; size to the engine's capacity
-  tasks_per_episode: int = 1      # tasks a worker batches into one engine call (one group each)
-  max_retries: int = 2            # retries of an episode whose engine call failed; then infra_error
-  retry_backoff_s: float = 0.1    # wait before retry k: retry_backoff_s · 2^(k−1)
+  tasks_per_episode: int = 1      # tasks a worker batches into one episode (one group each)
   shutdown_grace_s: float = 10.0  # close(): wait this long for episodes in flight, then cancel
   collect_timeout_s: float = 600.0  # collect() fails (naming queue state) if a batch takes longer
   poll_s: float = 0.05            # idle workers / a waiting collect re-check at least this often
@@ -71,24 +74,9 @@ class PoolConfig:
     for name in ("concurrency", "tasks_per_episode"):
       if getattr(self, name) < 1:
         raise ValueError(f"PoolConfig.{name} must be ≥ 1, got {getattr(self, name)}")
-    if self.max_retries < 0:
-      raise ValueError(f"PoolConfig.max_retries must be ≥ 0, got {self.max_retries}")
-    for name in ("retry_backoff_s", "shutdown_grace_s", "collect_timeout_s", "poll_s"):
+    for name in ("shutdown_grace_s", "collect_timeout_s", "poll_s"):
       if getattr(self, name) < 0:
         raise ValueError(f"PoolConfig.{name} must be ≥ 0, got {getattr(self, name)}")
-
-
-class Episode(Protocol):
-  """What the pool runs. `run` may be a plain function (called in a thread) or a coroutine."""
-
-  def run(self, payloads: list[Any], attempt: int) -> list[list[Trajectory]]:
-    """One group per payload, in order; raises on an engine / network failure (retried)."""
-    ...
-
-  def failed(self, payloads: list[Any], error: BaseException) -> list[list[Trajectory]]:
-    """The infra_error groups for payloads whose every attempt failed."""
-    ...
-
 
 # ------------------------------------------------------------------ engine busy meter
 
@@ -128,76 +116,6 @@ class MeteredEngine:
       return self._busy + (time.perf_counter() - self._since if self._active else 0.0)
 
 
-# ------------------------------------------------------------------ task-bank episodes
-
-class _Recording:
-  """Engine proxy that remembers the exception `rollout_groups` swallows, so we can retry."""
-
-  def __init__(self, engine):
-    self.engine, self.error = engine, None
-
-  @property
-  def version(self) -> int:
-    return self.engine.version
-
-  def generate(self, *args, **kwargs):
-    try:
-      return self.engine.generate(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 -- re-raised for rollout_groups, kept for the retry
-      self.error = e
-      raise
-
-
-class _Failing:
-  """An engine that fails with `error`: rollout_groups then builds the standard infra groups."""
-
-  def __init__(self, version: int, error: BaseException):
-    self.version, self.error = version, error
-
-  def generate(self, *args, **kwargs):
-    raise EngineError(str(self.error))
-
-
-class TaskEpisode:
-  """Single-turn task-bank episodes: payload `{"draw": d, "task": Task.to_dict()}` -> G graded
-  trajectories with group id `"{d}/{task.id}"` (d, the draw index, is unique per run)."""
-
-  def __init__(self, engine, tokenizer, grader: Callable, cfg: RolloutConfig,
-               stop_token_ids: Sequence[int], seed: int = 0):
-    self.engine, self.tokenizer, self.grader, self.cfg = engine, tokenizer, grader, cfg
-    self.stop_token_ids, self.seed = tuple(stop_token_ids), seed
-
-  def run(self, payloads: list[dict], attempt: int) -> list[list[Trajectory]]:
-    tasks = [Task.from_dict(p["task"]) for p in payloads]
-    engine = _Recording(self.engine)
-    seed = (self.seed * 1_000_003 + payloads[0]["draw"] * 7919 + attempt) % (2**31)
-    trajs = rollout_groups(engine, tasks, self.tokenizer, self.grader, self.cfg,
-                           self.stop_token_ids, seed=seed, step=payloads[0]["draw"])
-    if engine.error is not None:
-      raise EngineError(f"{type(engine.error).__name__}: {engine.error}") from engine.error
-    return self._groups(payloads, tasks, trajs, attempt)
-
-  def failed(self, payloads: list[dict], error: BaseException) -> list[list[Trajectory]]:
-    tasks = [Task.from_dict(p["task"]) for p in payloads]
-    trajs = rollout_groups(_Failing(self.engine.version, error), tasks, self.tokenizer,
-                           self.grader, self.cfg, self.stop_token_ids, seed=0, step=0)
-    return self._groups(payloads, tasks, trajs, None)
-
-  def _groups(self, payloads, tasks, trajs, attempt):
-    g = self.cfg.group_size
-    out = []
-    for i, (p, task) in enumerate(zip(payloads, tasks)):
-      gid = f"{p['draw']}/{task.id}"
-      group = trajs[i * g:(i + 1) * g]
-      for j, t in enumerate(group):
-        t.group_id, t.id = gid, f"{gid}/{j}"
-        t.metrics["draw"] = p["draw"]
-        if attempt is not None:
-          t.metrics["attempt"] = attempt
-      out.append(group)
-    return out
-
-
 # ------------------------------------------------------------------ the pool
 
 class _DaemonThreads(concurrent.futures.ThreadPoolExecutor):
@@ -222,14 +140,18 @@ class _DaemonThreads(concurrent.futures.ThreadPoolExecutor):
 
 
 class ActorPool:
-  """`concurrency` asyncio workers: claim -> episode (with retries) -> push. `await run()` until
-  `stop()` (callable from any thread); then in-flight episodes get `shutdown_grace_s` to finish
-  and push, the rest are cancelled and their work items returned to the queue's backlog."""
+  """`concurrency` asyncio workers: claim -> episode (retries, requeue) -> push. `await run()`
+  until `stop()` (callable from any thread); then in-flight episodes get `shutdown_grace_s` to
+  finish and push, the rest are cancelled and their work items returned to the queue's backlog.
+  Work item payloads are `WorkItem.to_dict()`; each item's group has `group_size` members."""
 
-  def __init__(self, queue: ReplayQueue, episode: Episode, cfg: PoolConfig = PoolConfig()):
-    self.queue, self.episode, self.cfg = queue, episode, cfg
+  def __init__(self, queue: ReplayQueue, episode: Episode, cfg: PoolConfig = PoolConfig(),
+               retry: RetryConfig = RetryConfig(), *, group_size: int, seed: int = 0):
+    self.queue, self.episode, self.cfg, self.retry = queue, episode, cfg, retry
+    self.group_size, self.seed = group_size, seed
     self.counters = {"episodes": 0, "groups": 0, "engine_errors": 0, "retries": 0,
-                     "failed_episodes": 0, "cancelled_episodes": 0}   # cumulative
+                     "requeued": 0, "given_up": 0, "invalid": 0,
+                     "cancelled_episodes": 0}   # cumulative
     self._stop_requested = threading.Event()
     self._loop: Optional[asyncio.AbstractEventLoop] = None
     self._wake: Optional[asyncio.Event] = None
@@ -296,41 +218,73 @@ class ActorPool:
   async def _worker(self, wid: int) -> None:
     del wid
     while not self._stopping:
-      items = await self._claim()
-      if not items:
+      claimed = await self._claim()
+      if not claimed:
         continue
-      keys = [k for k, _ in items]
+      keys = [k for k, _ in claimed]
+      items = [WorkItem.from_dict(p) for _, p in claimed]
       try:
-        groups = await self._attempts([p for _, p in items])
+        results = await self._attempts(items)
       except asyncio.CancelledError:
         self.queue.unclaim(keys)
         self.counters["cancelled_episodes"] += 1
         raise
-      if len(groups) != len(items):
+      except BaseException:
         self.queue.unclaim(keys)
-        raise RuntimeError(f"episode {type(self.episode).__name__} returned {len(groups)} groups "
-                           f"for {len(items)} work items")
+        raise
       self.counters["episodes"] += 1
-      for key, group in zip(keys, groups):
+      for key, item in zip(keys, items):
+        kind, group = results[item.draw]
+        if kind == "invalid":
+          self.queue.drop_work(key, "invalid")
+          self.counters["invalid"] += 1
+          continue
+        if kind == "failed":
+          again = requeue_or_give_up(item, self.retry)
+          if again is not None:
+            self.queue.requeue(key, again.to_dict())
+            self.counters["requeued"] += 1
+            continue
+          self.counters["given_up"] += 1
         self.queue.put(group, claim=key)
         self.counters["groups"] += 1
 
-  async def _attempts(self, payloads: list) -> list[list[Trajectory]]:
-    error: Optional[BaseException] = None
-    for attempt in range(self.cfg.max_retries + 1):
-      if attempt:
-        self.counters["retries"] += 1
-        await asyncio.sleep(self.cfg.retry_backoff_s * 2 ** (attempt - 1))
+  async def _attempts(self, items: list[WorkItem]) -> dict[int, tuple[str, list[Trajectory]]]:
+    """draw -> ("ok" | "failed" | "invalid", group): retries with backoff (RetryConfig); a
+    "failed" group is the infra group of the last error, or an episode's all-infra group."""
+    out: dict[int, tuple[str, list[Trajectory]]] = {}
+    todo, attempt = list(items), 0
+    while todo:
+      seed = (self.seed * 1_000_003 + todo[0].draw * 7919 + attempt) % (2**31)
       try:
         if inspect.iscoroutinefunction(self.episode.run):
-          return await self.episode.run(payloads, attempt)
-        return await self._loop.run_in_executor(self._executor, self.episode.run, payloads,
-                                                attempt)
+          groups = await self.episode.run(todo, seed)
+        else:
+          groups = await self._loop.run_in_executor(self._executor, self.episode.run, todo, seed)
+      except InvalidTaskError as e:
+        todo, bad = drop_invalid(todo, e)
+        out[bad.draw] = ("invalid", [])
+        continue
       except Exception as e:  # noqa: BLE001 -- engine / network: ours, retried, never reward 0
         self.counters["engine_errors"] += 1
-        error = e
-    self.counters["failed_episodes"] += 1
-    return self.episode.failed(payloads, error)
+        if attempt < self.retry.max_retries:
+          attempt += 1
+          self.counters["retries"] += 1
+          await asyncio.sleep(self.retry.delay(attempt))
+          continue
+        version = getattr(getattr(self.episode, "engine", None), "version", -1)
+        for item in todo:
+          out[item.draw] = ("failed", infra_group(item, self.group_size, e, version))
+        return out
+      if len(groups) != len(todo):
+        raise RuntimeError(f"episode {type(self.episode).__name__} returned {len(groups)} groups "
+                           f"for {len(todo)} work items")
+      for item, group in zip(todo, groups):
+        for t in group:
+          t.metrics["attempt"] = attempt
+        out[item.draw] = ("failed" if all_infra(group) else "ok", group)
+      return out
+    return out
 
 
 # ------------------------------------------------------------------ the rollout source
@@ -343,18 +297,20 @@ class AsyncRollouts:
   """Rollout source with SyncRollouts' interface, backed by an ActorPool + ReplayQueue running
   while the learner trains (see the module docstring for what is guaranteed)."""
 
-  def __init__(self, engine: Engine, tasks, tokenizer, grader: Callable, cfg: RolloutConfig,
-               stop_token_ids: Sequence[int], prompts_per_step: int, seed: int = 0,
-               replay: ReplayConfig = ReplayConfig(), pool: PoolConfig = PoolConfig(),
+  def __init__(self, episode: Episode, tasks, group_size: int, prompts_per_step: int,
+               seed: int = 0, replay: ReplayConfig = ReplayConfig(),
+               pool: PoolConfig = PoolConfig(), retry: RetryConfig = RetryConfig(),
                copy_weights: bool = True):
-    self.engine = MeteredEngine(engine)
+    # the episode's engine is metered (engine idle fraction): it is wrapped in place
+    self.engine = episode.engine = MeteredEngine(episode.engine)
+    self.episode = episode
     self.copy_weights = copy_weights
     self.tasks = tasks
     self.prompts_per_step = prompts_per_step
     self.pool_cfg = pool
-    self.queue = ReplayQueue(replay, group_size=cfg.group_size, groups_per_step=prompts_per_step)
-    self.episode = TaskEpisode(self.engine, tokenizer, grader, cfg, stop_token_ids, seed)
-    self.pool = ActorPool(self.queue, self.episode, pool)
+    self.queue = ReplayQueue(replay, group_size=group_size, groups_per_step=prompts_per_step)
+    self.pool = ActorPool(self.queue, episode, pool, retry, group_size=group_size, seed=seed)
+    self._exhausted = False
     self._next_draw = 0
     self._thread: Optional[threading.Thread] = None
     self._error: Optional[BaseException] = None
@@ -390,6 +346,8 @@ class AsyncRollouts:
       self._check_alive()
       self._top_up()
       groups += self.queue.get(self.prompts_per_step - len(groups), timeout=self.pool_cfg.poll_s)
+      if self._exhausted and len(groups) < self.prompts_per_step and self._drained():
+        draw_task(iter(()), self._next_draw)   # raises DataExhaustedError naming the count
       if time.perf_counter() - t0 > self.pool_cfg.collect_timeout_s and \
           len(groups) < self.prompts_per_step:
         drops = {k: v for k, v in self.queue.stats(reset_window=False).items()
@@ -400,7 +358,7 @@ class AsyncRollouts:
             f"{self.queue.depth()}, pool {self.pool.counters}, drops {drops}")
     self._top_up()
     self._collect_wait_s = time.perf_counter() - t0
-    tasks = [Task.from_dict(g.payload["task"]) for g in groups]
+    tasks = [WorkItem.from_dict(g.payload).task for g in groups]
     return tasks, [t for g in groups for t in g.trajectories]
 
   def metrics(self) -> dict[str, float]:
@@ -482,8 +440,16 @@ class AsyncRollouts:
     with self.queue.transaction():
       if version is not None:
         self.queue.set_version(version)
-      for _ in range(self.queue.work_wanted()):
-        task = next(self.tasks)
-        draw = self._next_draw
+      for _ in range(0 if self._exhausted else self.queue.work_wanted()):
+        try:
+          task = draw_task(self.tasks, self._next_draw)
+        except DataExhaustedError:  # finish what is queued first; collect then raises
+          self._exhausted = True
+          break
+        item = WorkItem(self._next_draw, task)
         self._next_draw += 1
-        self.queue.add_work(draw, {"draw": draw, "task": task.to_dict()})
+        self.queue.add_work(item.draw, item.to_dict())
+
+  def _drained(self) -> bool:
+    d = self.queue.depth()
+    return d["ready_groups"] == d["in_flight"] == d["backlog"] == d["incomplete_groups"] == 0

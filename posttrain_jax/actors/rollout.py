@@ -1,11 +1,19 @@
-"""Single-turn rollouts: task -> prompt ids -> G completions -> graded Trajectories.
+"""Single-turn rollouts (`TaskEpisode`) and the generate-then-train source (`SyncRollouts`).
 
-The trajectory's `token_ids` are the prompt ids we sent plus the ids the engine returned;
-the completion *text* is decoded only for the grader. Failure semantics (ARCHITECTURE.md):
-- the engine raising -> every trajectory of the group is `infra_error` (never reward 0);
-- the grader raising (e.g. an unreadable reference answer) -> `infra_error` for that one;
-- `finish_reason == "length"` -> `truncated`: graded as usual ("grade"), given reward 0
-  ("penalise"), or graded but left out of the loss ("mask"); always counted.
+    task -> prompt ids (chat template, once) -> G completions -> graded Trajectories
+
+The trajectory's `token_ids` are the prompt ids we sent plus the ids the engine returned; the
+completion *text* is decoded only for the grader. How a completion ended decides its status,
+for every finish reason an engine can return (`FINISH_STATUS`):
+- "stop"   -> `ok`, graded;
+- "length" -> `truncated`: graded as usual ("grade"), given reward 0 ("penalise"), or graded but
+  left out of the loss ("mask"); always counted;
+- "abort"  (cut in flight by a weight update) and "error" -> `infra_error`: a cut answer is not
+  the policy's answer, so it is never graded, never in a baseline, and counted by reason;
+- anything else -> `infra_error` naming the unknown reason (an engine we do not understand is
+  our problem, not the policy's).
+The grader raising (an unreadable reference answer) -> `infra_error` for that trajectory.
+The engine raising -> the episode raises; the source retries / requeues (actors/episode.py).
 """
 from __future__ import annotations
 
@@ -13,11 +21,21 @@ import dataclasses
 import time
 from typing import Callable, Optional, Sequence
 
-from posttrain_jax.engines.base import Completion, Engine, SamplingParams
+from posttrain_jax.actors.episode import (
+    InvalidTaskError, RetryConfig, WorkItem, all_infra, drop_invalid, infra_group,
+    requeue_or_give_up)
+from posttrain_jax.engines.base import Completion, Engine, PromptTooLongError, SamplingParams
 from posttrain_jax.envs import GradeResult, Task
+from posttrain_jax.errors import UserError
 from posttrain_jax.types import Source, Status, Trajectory
 
 TRUNCATION_POLICIES = ("grade", "penalise", "mask")
+FINISH_STATUS = {"stop": Status.OK, "length": Status.TRUNCATED,
+                 "abort": Status.INFRA_ERROR, "error": Status.INFRA_ERROR}
+
+
+class DataExhaustedError(UserError):
+  """The task bank ran out (a finite `tasks.num_epochs`) before the run's steps were done."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +51,15 @@ class RolloutConfig:
   def __post_init__(self):
     if self.truncation not in TRUNCATION_POLICIES:
       raise ValueError(f"RolloutConfig.truncation={self.truncation!r}; valid: {TRUNCATION_POLICIES}")
+    for name in ("group_size", "max_tokens"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"RolloutConfig.{name} must be ≥ 1, got {getattr(self, name)}")
+    if self.temperature < 0:
+      raise ValueError(f"RolloutConfig.temperature must be ≥ 0, got {self.temperature}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"RolloutConfig.top_p must be in (0, 1], got {self.top_p}")
+    if self.top_k < 0:
+      raise ValueError(f"RolloutConfig.top_k must be ≥ 0, got {self.top_k}")
 
   def sampling(self, stop_token_ids: Sequence[int]) -> SamplingParams:
     return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
@@ -46,9 +73,10 @@ def encode_prompt(tokenizer, task: Task) -> list[int]:
   return list(ids)
 
 
-def _trajectory(task: Task, group_id: str, idx: int, prompt_ids: list[int], comp: Completion,
-                text: str, grade: Optional[GradeResult], status: Status, cfg: RolloutConfig,
+def _trajectory(item: WorkItem, idx: int, prompt_ids: list[int], comp: Completion, text: str,
+                grade: Optional[GradeResult], status: Status, cfg: RolloutConfig,
                 metrics: dict) -> Trajectory:
+  task = item.task
   n = len(comp.token_ids)
   reward = None if grade is None else grade.reward
   loss_mask = [0] * len(prompt_ids) + [1] * n
@@ -60,83 +88,171 @@ def _trajectory(task: Task, group_id: str, idx: int, prompt_ids: list[int], comp
   info = {} if grade is None else {k: v for k, v in grade.info.items()
                                    if isinstance(v, (int, float, str, bool)) or v is None}
   return Trajectory(
-      id=f"{group_id}/{idx}", task_id=task.id, group_id=group_id, source=Source.TASK_BANK,
-      token_ids=prompt_ids + comp.token_ids, loss_mask=loss_mask,
+      id=f"{item.group_id}/{idx}", task_id=task.id, group_id=item.group_id,
+      source=Source.TASK_BANK, token_ids=prompt_ids + comp.token_ids, loss_mask=loss_mask,
       behaviour_logprobs=[0.0] * len(prompt_ids) + list(comp.logprobs),
       policy_version=[-1] * len(prompt_ids) + [comp.version] * n,
       messages=[*task.messages, {"role": "assistant", "content": text}],
       reward=reward, status=status,
-      metrics={"response_len": float(n), **metrics, **{f"grade/{k}": v for k, v in info.items()
-                                                       if isinstance(v, (int, float, bool))}})
+      metrics={"response_len": float(n), "draw": item.draw, "requeues": item.requeues,
+               "finish_reason": comp.finish_reason, **metrics,
+               **{f"grade/{k}": v for k, v in info.items() if isinstance(v, (int, float, bool))}})
 
 
-def rollout_groups(engine: Engine, tasks: Sequence[Task], tokenizer, grader: Callable,
-                   cfg: RolloutConfig, stop_token_ids: Sequence[int], seed: int,
-                   step: int) -> list[Trajectory]:
-  """G graded trajectories per task (group ids `"{step}/{task.id}"`), in task order."""
-  prompts = [encode_prompt(tokenizer, t) for t in tasks]
-  t0 = time.perf_counter()
-  try:
-    groups = engine.generate(prompts, cfg.sampling(stop_token_ids), n=cfg.group_size, seed=seed)
-    error = None
-  except Exception as e:  # noqa: BLE001 -- any engine failure is ours, not the policy's
-    groups, error = None, f"{type(e).__name__}: {e}"
-  gen_s = time.perf_counter() - t0
-  out = []
-  for ti, (task, prompt) in enumerate(zip(tasks, prompts)):
-    gid = f"{step}/{task.id}"
-    if groups is None:
-      for j in range(cfg.group_size):
-        empty = Completion(token_ids=[], logprobs=[], finish_reason="error", version=engine.version)
-        out.append(_trajectory(task, gid, j, prompt, empty, "", None, Status.INFRA_ERROR, cfg,
-                               {"infra_error": 1.0, "error": error}))
-      continue
-    for j, comp in enumerate(groups[ti]):
-      text = tokenizer.decode(comp.token_ids, skip_special_tokens=True)
-      status = Status.TRUNCATED if comp.finish_reason == "length" else Status.OK
+class TaskEpisode:
+  """Single-turn task-bank episodes: one engine call for the whole batch (G samples per task),
+  each completion graded; see the module docstring for statuses."""
+
+  def __init__(self, engine: Engine, tokenizer, grader: Callable, cfg: RolloutConfig,
+               stop_token_ids: Sequence[int]):
+    self.engine, self.tokenizer, self.grader, self.cfg = engine, tokenizer, grader, cfg
+    self.stop_token_ids = tuple(stop_token_ids)
+
+  def run(self, items: Sequence[WorkItem], seed: int) -> list[list[Trajectory]]:
+    prompts = [encode_prompt(self.tokenizer, it.task) for it in items]
+    t0 = time.perf_counter()
+    try:
+      groups = self.engine.generate(prompts, self.cfg.sampling(self.stop_token_ids),
+                                    n=self.cfg.group_size, seed=seed)
+    except PromptTooLongError as e:
+      raise InvalidTaskError(e.index, str(e)) from e
+    per_task_s = (time.perf_counter() - t0) / max(len(items), 1)
+    return [self._group(item, prompt, comps, per_task_s)
+            for item, prompt, comps in zip(items, prompts, groups)]
+
+  def _group(self, item, prompt, comps, gen_s) -> list[Trajectory]:
+    out = []
+    for j, comp in enumerate(comps):
+      text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
+      status = FINISH_STATUS.get(comp.finish_reason)
+      if status is None or status is Status.INFRA_ERROR:
+        why = (f"finish_reason {comp.finish_reason!r}" if status is not None
+               else f"unknown finish_reason {comp.finish_reason!r}")
+        out.append(_trajectory(item, j, prompt, comp, text, None, Status.INFRA_ERROR, self.cfg,
+                               {"infra_error": 1.0, "error": why,
+                                f"infra/{comp.finish_reason}": 1.0}))
+        continue
       try:
-        grade = grader(text, task)
+        grade = self.grader(text, item.task)
       except Exception as e:  # noqa: BLE001 -- a grader bug or bad reference: not the policy's fault
-        out.append(_trajectory(task, gid, j, prompt, comp, text, None, Status.INFRA_ERROR, cfg,
+        out.append(_trajectory(item, j, prompt, comp, text, None, Status.INFRA_ERROR, self.cfg,
                                {"infra_error": 1.0, "error": f"grader: {type(e).__name__}: {e}"}))
         continue
-      out.append(_trajectory(task, gid, j, prompt, comp, text, grade, status, cfg,
-                             {"generate_s": gen_s / max(len(tasks), 1)}))
-  return out
+      out.append(_trajectory(item, j, prompt, comp, text, grade, status, self.cfg,
+                             {"generate_s": gen_s}))
+    return out
+
+
+def draw_task(tasks, drawn: int):
+  """next(tasks), or DataExhaustedError saying how many tasks the run had drawn."""
+  try:
+    return next(tasks)
+  except StopIteration:
+    raise DataExhaustedError(
+        f"the task bank is exhausted after {drawn} tasks (TaskBankConfig.num_epochs passes over "
+        "the data); set tasks.num_epochs higher, or None to cycle, or train fewer steps") from None
 
 
 class SyncRollouts:
-  """Generate-then-train (the on-policy baseline): each step samples fresh groups with the
-  weights of the previous update. The trainer talks to any rollout source through these
-  methods (`update_weights`, `collect`, `metrics`, `state`/`restore`, `close`), so an
-  asynchronous source (actors/pool.py: actor pool + replay queue) can stand in for this one.
+  """Generate-then-train (the on-policy baseline): each step runs one episode batch of
+  `prompts_per_step` tasks with the weights of the previous update. The trainer talks to any
+  rollout source through these methods (`update_weights`, `collect`, `metrics`,
+  `state`/`restore`, `close`), so the asynchronous source (actors/pool.py) stands in for it.
+
+  Failures (actors/episode.py): a failed batch is retried with backoff; tasks of a batch that
+  failed every attempt are requeued (run first next step) up to `retry.max_requeues` times and
+  are `infra_error` in this step's trajectories (excluded from loss and baselines); a task that
+  can never run is dropped as "invalid". Every case is counted in `metrics()`.
   """
 
-  def __init__(self, engine: Engine, tasks, tokenizer, grader: Callable, cfg: RolloutConfig,
-               stop_token_ids: Sequence[int], prompts_per_step: int, seed: int = 0):
-    self.engine, self.tasks, self.tokenizer, self.grader = engine, tasks, tokenizer, grader
-    self.cfg, self.stop_token_ids = cfg, tuple(stop_token_ids)
-    self.prompts_per_step, self.seed = prompts_per_step, seed
+  def __init__(self, episode, tasks, group_size: int, prompts_per_step: int, seed: int = 0,
+               retry: RetryConfig = RetryConfig(), sleep: Callable[[float], None] = time.sleep):
+    self.episode, self.tasks, self.group_size = episode, tasks, group_size
+    self.prompts_per_step, self.seed, self.retry, self._sleep = prompts_per_step, seed, retry, sleep
+    self._next_draw = 0
+    self._requeued: list[WorkItem] = []
+    self._counters = dict.fromkeys(
+        ("engine_errors", "retries", "requeued", "given_up", "invalid"), 0)
+    self._window = dict(self._counters)
+
+  @property
+  def engine(self):
+    return self.episode.engine
 
   def update_weights(self, params, version: int) -> None:
     self.engine.update_weights(params, version)
 
+  def _draw(self, n: int) -> list[WorkItem]:
+    items = self._requeued[:n]
+    self._requeued = self._requeued[n:]
+    while len(items) < n:
+      items.append(WorkItem(self._next_draw, draw_task(self.tasks, self._next_draw)))
+      self._next_draw += 1
+    return items
+
   def collect(self, step: int) -> tuple[list[Task], list[Trajectory]]:
-    """The tasks drawn for `step` and their graded trajectories (G per task)."""
-    tasks = [next(self.tasks) for _ in range(self.prompts_per_step)]
-    seed = (self.seed * 1_000_003 + step) % (2**31)
-    return tasks, rollout_groups(self.engine, tasks, self.tokenizer, self.grader, self.cfg,
-                                 self.stop_token_ids, seed=seed, step=step)
+    """The tasks run for `step` and their trajectories (G per task; infra groups included)."""
+    items = self._draw(self.prompts_per_step)
+    base_seed = (self.seed * 1_000_003 + step) % (2**31)
+    groups: dict[int, list[Trajectory]] = {}
+    todo, attempt = list(items), 0
+    while todo:
+      try:
+        out = self.episode.run(todo, (base_seed + 7919 * attempt) % (2**31))
+      except InvalidTaskError as e:
+        todo, bad = drop_invalid(todo, e)
+        self._counters["invalid"] += 1
+        items.remove(bad)
+        continue
+      except Exception as e:  # noqa: BLE001 -- ours (engine, network): retried, never reward 0
+        self._counters["engine_errors"] += 1
+        if attempt < self.retry.max_retries:
+          attempt += 1
+          self._counters["retries"] += 1
+          self._sleep(self.retry.delay(attempt))
+          continue
+        for item in todo:
+          groups[item.draw] = infra_group(item, self.group_size, e, self.engine.version)
+          self._requeue(item)
+        break
+      for item, group in zip(todo, out):
+        groups[item.draw] = group
+        if all_infra(group):
+          self._requeue(item)
+      break
+    trajs = [t for item in items for t in groups[item.draw]]
+    return [item.task for item in items], trajs
+
+  def _requeue(self, item: WorkItem) -> None:
+    again = requeue_or_give_up(item, self.retry)
+    if again is None:
+      self._counters["given_up"] += 1
+    else:
+      self._requeued.append(again)
+      self._counters["requeued"] += 1
 
   def metrics(self) -> dict[str, float]:
-    """Per-step source metrics (none here; the async source reports its queue and pool)."""
-    return {}
+    """Since the last call: rollout/{engine_errors, retries, requeued, given_up, invalid}."""
+    out = {f"rollout/{k}": float(v - self._window[k]) for k, v in self._counters.items()}
+    out.update({f"rollout/total/{k}": float(v) for k, v in self._counters.items()})
+    self._window = dict(self._counters)
+    return out
 
   def state(self) -> dict:
-    return {}
+    return {"kind": "sync", "next_draw": self._next_draw, "counters": dict(self._counters),
+            "requeued": [it.to_dict() for it in self._requeued]}
 
   def restore(self, state: dict) -> None:
-    del state
+    if not state:
+      return
+    if state.get("kind") != "sync":
+      raise ValueError(f"checkpointed rollout state is {state.get('kind')!r}, not 'sync': it was "
+                       "written by another RLPhaseConfig.mode (its queued work would be lost); "
+                       "resume with that mode")
+    self._next_draw = int(state["next_draw"])
+    self._counters.update(state["counters"])
+    self._window = dict(self._counters)
+    self._requeued = [WorkItem.from_dict(d) for d in state["requeued"]]
 
   def close(self) -> None:
     pass

@@ -14,6 +14,15 @@ class EngineError(RuntimeError):
   """Our side failed (engine crash, unreachable server): an infra error, never a reward of 0."""
 
 
+class PromptTooLongError(ValueError):
+  """Prompt `index` of a request can never be served (longer than the engine accepts): not an
+  infra error and not worth a retry; the rollout source drops the task, counted as "invalid"."""
+
+  def __init__(self, index: int, message: str):
+    super().__init__(message)
+    self.index = index
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """How to sample; hashable so jitted samplers can specialise on it."""
@@ -29,7 +38,8 @@ class Completion:
   """One sampled continuation of a prompt."""
   token_ids: list[int]            # sampled ids, a final stop token included
   logprobs: list[float]           # log-prob of each sampled id (see the engine for which distribution)
-  finish_reason: str              # "stop" (stop token) | "length" (max_tokens reached)
+  finish_reason: str              # "stop" (stop token) | "length" (max_tokens reached) |
+                                  # "abort" (cut in flight, e.g. by a weight update) | "error"
   version: int                    # policy version of the weights that sampled it
 
 

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from posttrain_jax.engines.base import Completion, EngineError, SamplingParams
+from posttrain_jax.engines.base import Completion, PromptTooLongError, SamplingParams
+from posttrain_jax.engines.registry import EngineContext, register_engine
 from posttrain_jax.models.decoder import Decoder, init_cache
 from posttrain_jax.models.weights import as_params
 
@@ -130,8 +131,8 @@ class JaxSampler:
       return []
     for i, prompt in enumerate(prompts):
       if not 0 < len(prompt) <= self.cfg.max_prompt_len:
-        raise EngineError(f"prompt {i} has {len(prompt)} tokens; the sampler accepts 1.."
-                          f"{self.cfg.max_prompt_len} (JaxSamplerConfig.max_prompt_len)")
+        raise PromptTooLongError(i, f"prompt {i} has {len(prompt)} tokens; the sampler accepts "
+                                 f"1..{self.cfg.max_prompt_len} (JaxSamplerConfig.max_prompt_len)")
     rows = [list(p) for p in prompts for _ in range(n)]
     b = _round_up(len(rows), self.cfg.batch_bucket)
     p = _round_up(max(len(r) for r in rows), self.cfg.prompt_bucket)
@@ -156,3 +157,11 @@ class JaxSampler:
                             finish_reason="stop" if done[r] else "length",
                             version=version))
     return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+
+@register_engine("jax", JaxSamplerConfig, shareable=False)
+def _build(cfg: JaxSamplerConfig, ctx: EngineContext) -> JaxSampler:
+  """The embedded sampler on the learner's own arrays; prompt room sized from the run's prompts."""
+  cfg = dataclasses.replace(cfg, max_prompt_len=max(cfg.max_prompt_len, 2 * ctx.max_prompt_len),
+                            pad_id=ctx.pad_id)
+  return JaxSampler(ctx.model, cfg)

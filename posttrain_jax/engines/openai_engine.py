@@ -47,13 +47,13 @@ import http.client
 import json
 import pathlib
 import shutil
-import tempfile
 import threading
 import time
 import urllib.parse
 from typing import Any, Optional, Sequence
 
 from posttrain_jax.engines.base import Completion, EngineError, SamplingParams
+from posttrain_jax.engines.registry import DecoderWeights, EngineContext, register_engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,6 +331,7 @@ def _server_message(body: str) -> str:
 def _write_checkpoint(weights: Any, out: pathlib.Path, dtype: Optional[str]) -> pathlib.Path:
   """A model -> save_hf_model; (name, array) pairs -> one model.safetensors. Atomic."""
   from posttrain_jax.models import hf_io
+  from posttrain_jax.models.fsutil import atomic_directory
   from posttrain_jax.models.safetensors_io import write_safetensors
   from posttrain_jax.models.weights import is_model
   if is_model(weights):
@@ -340,16 +341,25 @@ def _write_checkpoint(weights: Any, out: pathlib.Path, dtype: Optional[str]) -> 
   pairs = [(name, np.asarray(a)) for name, a in weights]
   if dtype is not None:
     pairs = [(n, a.astype(_np_dtype(dtype)) if a.dtype.kind in "fV" else a) for n, a in pairs]
-  out.parent.mkdir(parents=True, exist_ok=True)
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-  try:
+  with atomic_directory(out) as tmp:
     write_safetensors(tmp / "model.safetensors", pairs)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
   return out
 
 
 __all__ = ["OpenAIEngine", "OpenAIEngineConfig"]
+
+
+def _check(cfg: OpenAIEngineConfig, model_config, max_tokens: int) -> None:
+  """Before the run: a weights directory the server can read (it must follow training)."""
+  del model_config, max_tokens
+  from posttrain_jax.config_io import ConfigTypeError
+  if not cfg.weights_dir:
+    raise ConfigTypeError("config.rl.engine_config.weights_dir: rl.engine='openai' needs a "
+                          "directory both this process and the server read, for weight sync")
+
+
+@register_engine("openai", OpenAIEngineConfig, check=_check, copies_weights=True)
+def _build(cfg: OpenAIEngineConfig, ctx: EngineContext):
+  """A client of an OpenAI-compatible server the user already runs (e.g. `vllm serve` of the
+  RL start weights with our worker extension; see the module docstring)."""
+  return DecoderWeights(OpenAIEngine(cfg), ctx.graphdef)

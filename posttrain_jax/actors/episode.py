@@ -1,0 +1,121 @@
+"""The episode protocol both rollout sources run, and the one place failures become records.
+
+A rollout source (SyncRollouts, AsyncRollouts) draws tasks, wraps each in a `WorkItem` and hands
+a batch of them to an `Episode`:
+
+    groups = episode.run(items, seed)      # one group (list[Trajectory]) per item, in order
+                                            # `run` may be a plain function or a coroutine
+
+An episode *raises* when our side fails (engine crash, unreachable server, sandbox down): it
+never builds failure records itself. The source then, in one place (`retry_delays` /
+`infra_group` below, used by both sources):
+
+1. retries the batch with exponential backoff (`RetryConfig`: bounded attempts, capped delay,
+   long enough by default to ride out a ~40 s server restart);
+2. if every attempt failed, requeues each task (drawn again before any new task), at most
+   `max_requeues` times, counted;
+3. then gives up on it: its group becomes `infra_error` trajectories (never reward 0, never in
+   a baseline or the loss), counted.
+
+A task that can *never* run (its prompt is longer than the engine accepts) is not an infra
+error: the episode raises `InvalidTaskError(index)` and the source drops that task with its own
+counted reason ("invalid") and runs the rest.
+
+A multi-turn episode (an environment with tools) implements the same `run`; nothing in either
+source or the pool changes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Protocol, Sequence
+
+from posttrain_jax.envs import Task
+from posttrain_jax.types import Source, Status, Trajectory
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkItem:
+  """One task to run as one group. `draw` is unique per run (the draw index)."""
+  draw: int
+  task: Task
+  requeues: int = 0               # times this task was requeued after all attempts failed
+
+  @property
+  def group_id(self) -> str:
+    return f"{self.draw}/{self.task.id}"
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"draw": self.draw, "task": self.task.to_dict(), "requeues": self.requeues}
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "WorkItem":
+    return cls(int(d["draw"]), Task.from_dict(d["task"]), int(d.get("requeues", 0)))
+
+
+class InvalidTaskError(Exception):
+  """Item `index` of the batch can never run (e.g. its prompt exceeds the engine's limit)."""
+
+  def __init__(self, index: int, reason: str):
+    super().__init__(reason)
+    self.index, self.reason = index, reason
+
+
+class Episode(Protocol):
+  """What a rollout source runs."""
+
+  def run(self, items: Sequence[WorkItem], seed: int) -> list[list[Trajectory]]:
+    """One graded group per item, in order; raises on our failure (see module docstring)."""
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryConfig:
+  """What happens when an episode fails on our side (both rollout sources)."""
+  max_retries: int = 6            # re-runs of a failed batch before its tasks are requeued
+  backoff_s: float = 1.0          # wait before retry k: backoff_s · 2^(k−1), capped below
+  backoff_max_s: float = 16.0     # longest single wait (default total: 1+2+4+8+16+16 = 47 s)
+  max_requeues: int = 2           # times a task is requeued after all retries; then infra_error
+
+  def __post_init__(self):
+    for name in ("max_retries", "max_requeues"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"RetryConfig.{name} must be ≥ 0, got {getattr(self, name)}")
+    for name in ("backoff_s", "backoff_max_s"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"RetryConfig.{name} must be ≥ 0, got {getattr(self, name)}")
+
+  def delay(self, retry: int) -> float:
+    """Seconds to wait before retry `retry` (1-based)."""
+    return min(self.backoff_s * 2 ** (retry - 1), self.backoff_max_s)
+
+
+def infra_group(item: WorkItem, group_size: int, error: BaseException, version: int,
+                source: Source = Source.TASK_BANK) -> list[Trajectory]:
+  """The `infra_error` group of a task whose every attempt failed: no tokens, no reward."""
+  msg = f"{type(error).__name__}: {error}"
+  return [Trajectory(id=f"{item.group_id}/{j}", task_id=item.task.id, group_id=item.group_id,
+                     source=source, token_ids=[], loss_mask=[], behaviour_logprobs=[],
+                     policy_version=[], messages=item.task.messages, reward=None,
+                     status=Status.INFRA_ERROR,
+                     metrics={"infra_error": 1.0, "error": msg, "draw": item.draw,
+                              "requeues": item.requeues, "engine_version": version})
+          for j in range(group_size)]
+
+
+def all_infra(group: Sequence[Trajectory]) -> bool:
+  """A group with no member the loss could use (every one an infra error)."""
+  return bool(group) and all(t.status is Status.INFRA_ERROR for t in group)
+
+
+def drop_invalid(items: list[WorkItem], error: InvalidTaskError) -> tuple[list[WorkItem], WorkItem]:
+  """(the batch without the invalid item, the invalid item)."""
+  if not 0 <= error.index < len(items):
+    raise RuntimeError(f"InvalidTaskError index {error.index} outside a batch of {len(items)}")
+  return items[:error.index] + items[error.index + 1:], items[error.index]
+
+
+def requeue_or_give_up(item: WorkItem, cfg: RetryConfig) -> Optional[WorkItem]:
+  """The item to requeue (its count raised), or None when its requeues are used up."""
+  if item.requeues >= cfg.max_requeues:
+    return None
+  return dataclasses.replace(item, requeues=item.requeues + 1)

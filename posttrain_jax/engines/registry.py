@@ -1,0 +1,102 @@
+"""Rollout engines by name: `rl.engine = "jax" | "vllm" | "openai" | <yours>`.
+
+An engine module registers itself at import with
+
+    @register_engine("name", ConfigClass, copies_weights=..., shareable=...)
+    def build(cfg: ConfigClass, ctx: EngineContext) -> Engine: ...
+
+and optionally a `check(cfg, model_config, max_tokens)` run before training starts (so a missing
+package or a setting the model cannot serve fails in the first second, not after the SFT phase).
+Every module of `posttrain_jax.engines` is imported on first lookup, so a new engine is one new
+file (plus its test). The built engine's `update_weights` takes the learner's parameter dict.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pathlib
+import pkgutil
+from typing import Any, Callable, Optional
+
+from flax import nnx
+
+from posttrain_jax.registry import Registry
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineContext:
+  """What the run knows when it builds an engine."""
+  model_dir: pathlib.Path         # HF directory of the RL start weights (served as version 0)
+  model_config: Any               # its ModelConfig
+  model: Any                      # the learner's Decoder (an embedded engine shares its arrays)
+  graphdef: Any                   # the learner's graphdef: params dict -> Decoder
+  max_prompt_len: int             # longest prompt (tokens) the run expects to send
+  max_tokens: int                 # longest completion it asks for
+  pad_id: int = 0                 # the tokenizer's pad id
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+  """A registered engine."""
+  name: str
+  config_cls: type
+  build: Callable[[Any, EngineContext], Any]
+  check: Optional[Callable[[Any, Any, int], None]] = None  # (cfg, model_config, max_tokens)
+  copies_weights: bool = False    # update_weights copies what it is given (no copy needed first)
+  shareable: bool = True          # one instance serves rollouts and eval; False = one each
+
+
+ENGINES: Registry[EngineSpec] = Registry("rollout engine")
+
+
+def register_engine(name: str, config_cls: type, *, check=None, copies_weights: bool = False,
+                    shareable: bool = True):
+  """Decorator registering `build(cfg, ctx) -> Engine` under `name`."""
+  def deco(build):
+    ENGINES.register(name)(EngineSpec(name, config_cls, build, check, copies_weights, shareable))
+    return build
+  return deco
+
+
+_discovered = False
+
+
+def _discover() -> None:
+  global _discovered
+  if not _discovered:
+    import posttrain_jax.engines as pkg
+    for mod in pkgutil.iter_modules(pkg.__path__):
+      if not mod.name.startswith("_") and mod.name != "registry":
+        importlib.import_module(f"{pkg.__name__}.{mod.name}")
+    _discovered = True
+
+
+def engine_spec(name: str) -> EngineSpec:
+  _discover()
+  return ENGINES.get(name)
+
+
+def engine_names() -> list[str]:
+  _discover()
+  return ENGINES.names()
+
+
+class DecoderWeights:
+  """Engine wrapper for engines outside this process: the learner's params dict becomes a
+  Decoder (HF names) before it is handed to the engine's `update_weights`."""
+
+  def __init__(self, engine, graphdef):
+    self.engine, self.graphdef = engine, graphdef
+
+  @property
+  def version(self) -> int:
+    return self.engine.version
+
+  def generate(self, *args, **kwargs):
+    return self.engine.generate(*args, **kwargs)
+
+  def update_weights(self, params, version: int) -> None:
+    self.engine.update_weights(nnx.merge(self.graphdef, params), version)
+
+  def __getattr__(self, name):  # close(), last_weight_sync, ...
+    return getattr(self.engine, name)

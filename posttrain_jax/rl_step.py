@@ -1,0 +1,90 @@
+"""One RL step, the same for the trainer and the benchmarks:
+
+    source.update_weights(params, version)        weights of version v to the rollout engine
+    tasks, trajs = source.collect(step)           graded groups (sync: fresh; async: from the queue)
+    adv = advantages(trajs, baseline state)       infra errors excluded; running baseline updated
+    batch = pack(kept trajectories, adv)
+    fill exactly the log-prob fields the loss declares it needs (LossSpec.needs), plus
+        old_logp when update_epochs > 1 (the PPO ratio's denominator across epochs) and
+        ref_logp when a reference is given only to report a KL
+    update_epochs × learner.step(batch)           skipped when no trajectory survived
+
+A step whose every rollout failed (nothing kept) does not touch the weights or the optimizer
+state: AdamW's momentum would still move them on an empty batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from posttrain_jax import batching
+from posttrain_jax.advantages import AdvantageConfig, BaselineState, compute_advantages
+from posttrain_jax.types import Status
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+  """What a step produced besides the learner's new state."""
+  metrics: dict[str, float]
+  baseline: Optional[BaselineState]   # the running baseline after the step (estimator "running")
+  tasks: list                         # the tasks whose groups were used
+  trajectories: list                  # every trajectory collected (infra errors included)
+  updated: bool                       # False when nothing was trainable (weights untouched)
+
+
+def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageConfig,
+            batch_cfg: batching.BatchConfig, update_epochs: int = 1,
+            baseline: Optional[BaselineState] = None, reference: Any = None) -> StepResult:
+  """Runs one step (see the module docstring); `reference` = frozen params for ref_logp."""
+  t0 = time.perf_counter()
+  source.update_weights(learner.params, version=version)
+  t_sync = time.perf_counter() - t0
+  tasks, trajs = source.collect(step)
+  t_gen = time.perf_counter() - t0
+  adv = compute_advantages(trajs, advantage, baseline)
+  keep = [t for t, k in zip(trajs, adv.keep) if k]
+  metrics: dict[str, float] = {}
+  t1 = time.perf_counter()
+  if keep:
+    batch = batching.build_batch(keep, adv.advantages[adv.keep].tolist(), batch_cfg)
+    needs = set(learner.spec.needs(learner.loss_cfg))
+    if update_epochs > 1:
+      needs.add("old_logp")
+    if "ref_logp" in needs and reference is None:
+      raise ValueError(f"loss {learner.cfg.loss!r} needs ref_logp but the run has no reference")
+    if reference is not None:
+      needs.add("ref_logp")
+    unsupported = needs - {"old_logp", "ref_logp", "behaviour_logp"}
+    if unsupported:
+      raise ValueError(f"loss {learner.cfg.loss!r} needs {sorted(unsupported)}, which this RL "
+                       "step cannot compute (a distillation loss needs a teacher)")
+    if "ref_logp" in needs:
+      batch = dataclasses.replace(batch, ref_logp=np.asarray(learner.logprobs(batch, reference)))
+    if "old_logp" in needs:
+      batch = dataclasses.replace(batch, old_logp=np.asarray(learner.logprobs(batch)))
+    for _ in range(update_epochs):
+      metrics = learner.step(batch)
+  t_train = time.perf_counter() - t1
+  scored = [t for t in keep if t.reward is not None]
+  reward = float(np.mean([t.reward for t in scored])) if scored else float("nan")
+  metrics.update({
+      "reward/mean": reward,
+      "response_len/mean": float(np.mean([t.num_sampled for t in trajs])) if trajs else 0.0,
+      "truncated_frac": float(np.mean([t.status is Status.TRUNCATED for t in trajs]))
+      if trajs else 0.0,
+      "infra_error_frac": adv.stats["infra_error_frac"],
+      "zero_var_group_frac": adv.stats.get("zero_var_group_frac", 0.0),
+      "skipped_update": float(not keep),
+      "time/update_weights_s": t_sync, "time/generate_s": t_gen, "time/train_s": t_train,
+  })
+  if adv.state is not None:
+    metrics["baseline/global_mean"] = (adv.state.global_mean if adv.state.global_mean is not None
+                                       else float("nan"))
+    metrics["baseline/tasks"] = float(len(adv.state.task_means))
+    metrics["baseline/unseen_tasks"] = adv.stats["unseen_tasks"]
+  metrics.update(source.metrics())
+  return StepResult(metrics, adv.state if adv.state is not None else baseline, tasks, trajs,
+                    bool(keep))
