@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional
 
-from posttrain_jax.actors.episode import RetryConfig
+from posttrain_jax.actors.episode import RetryConfig, episode_spec
 from posttrain_jax.actors.pool import PoolConfig
 from posttrain_jax.actors.rollout import RolloutConfig
 from posttrain_jax.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
@@ -56,6 +56,8 @@ class RLPhaseConfig:
   mode: str = "sync"              # "sync" | "async"
   engine: str = "jax"             # rollout engine (engines/registry.py): jax | vllm | openai
   engine_config: Any = None       # that engine's config (class from the registry); None = defaults
+  episode: str = "task"           # what a rollout is (actors/episode.py registry): "task" = single-turn
+  episode_config: Any = None      # that episode type's config; None = defaults
   replay: ReplayConfig = ReplayConfig()  # async: the replay queue (max_staleness, filter, ...)
   pool: PoolConfig = PoolConfig()  # async: the actor pool (concurrency, shutdown)
   retry: RetryConfig = RetryConfig()  # failed episodes: retries with backoff, requeues (both modes)
@@ -76,6 +78,7 @@ class RLPhaseConfig:
     if self.engine not in engine_names():
       raise ValueError(f"RLPhaseConfig.engine is {self.engine!r}; valid: {engine_names()}")
     CORRECTIONS.get(self.async_correction)
+    episode_spec(self.episode)
     for name in ("steps", "prompts_per_step", "update_epochs"):
       low = 0 if name == "steps" else 1
       if getattr(self, name) < low:
@@ -134,6 +137,11 @@ class RunConfig:
       cfg = dataclasses.replace(cfg, correction=self.rl.async_correction, correction_cfg=None)
     return cfg
 
+  def episode_config(self):
+    """The episode type's config (`rl.episode_config`, or its defaults)."""
+    spec = episode_spec(self.rl.episode)
+    return self.rl.episode_config if self.rl.episode_config is not None else spec.config_cls()
+
   def engine_config(self):
     """The rollout engine's config (`rl.engine_config`, or its defaults)."""
     spec = engine_spec(self.rl.engine)
@@ -147,6 +155,7 @@ def _field(x, name):
 _DYNAMIC = {
     (RLPhaseConfig, "loss"): lambda v: get_loss(_field(v["learner"], "loss")).config_cls,
     (RLPhaseConfig, "engine_config"): lambda v: engine_spec(v["engine"]).config_cls,
+    (RLPhaseConfig, "episode_config"): lambda v: episode_spec(v["episode"]).config_cls,
     (TaskBankConfig, "generator_config"): lambda v: GENERATORS.get(v["generator"]).config_cls,
     (GRPOConfig, "correction_cfg"): lambda v: CORRECTIONS.get(v["correction"]).config_cls,
     (CISPOConfig, "correction_cfg"): lambda v: CORRECTIONS.get(v["correction"]).config_cls,

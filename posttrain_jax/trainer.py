@@ -37,8 +37,9 @@ import numpy as np
 from flax import nnx
 
 from posttrain_jax import batching
+from posttrain_jax.actors.episode import EpisodeContext, episode_spec
 from posttrain_jax.actors.pool import AsyncRollouts
-from posttrain_jax.actors.rollout import SyncRollouts, TaskEpisode, draw_task, encode_prompt
+from posttrain_jax.actors.rollout import SyncRollouts, draw_task, encode_prompt
 from posttrain_jax.advantages import BaselineState
 from posttrain_jax.checkpoint import Checkpointer
 from posttrain_jax.config_io import ConfigTypeError, to_dict
@@ -187,20 +188,25 @@ class Trainer:
                         pad_id=self.tokenizer.pad_token_id or 0)
     return self.engine_spec.build(self.engine_cfg, ctx)
 
+  def _episode(self, engine):
+    """An episode of `rl.episode` (single-turn tasks by default) on `engine`."""
+    ctx = EpisodeContext(engine=engine, tokenizer=self.tokenizer, grader=self.grader,
+                         rollout=self.cfg.rl.rollout, stop_token_ids=self.stop_ids)
+    return episode_spec(self.cfg.rl.episode).build(self.cfg.episode_config(), ctx)
+
   def _rollout_source(self, learner: Learner, engine, base: pathlib.Path):
     cfg = self.cfg.rl
     if cfg.mode == "async":  # an engine that is not shareable gets a second instance
       pool_engine = engine if self.engine_spec.shareable else self._engine(learner, base)
-      episode = TaskEpisode(pool_engine, self.tokenizer, self.grader, cfg.rollout, self.stop_ids)
+      episode = self._episode(pool_engine)
       self.log(f"async rollouts: off-policy correction "
                f"{getattr(self.loss_cfg, 'correction', 'none')!r} on samples up to "
                f"{cfg.replay.max_staleness} versions stale (rl.async_correction)")
       return AsyncRollouts(episode, self.tasks, cfg.rollout.group_size, cfg.prompts_per_step,
                            seed=self.cfg.seed, replay=cfg.replay, pool=cfg.pool, retry=cfg.retry,
                            copy_weights=not self.engine_spec.copies_weights)
-    episode = TaskEpisode(engine, self.tokenizer, self.grader, cfg.rollout, self.stop_ids)
-    return SyncRollouts(episode, self.tasks, cfg.rollout.group_size, cfg.prompts_per_step,
-                        seed=self.cfg.seed, retry=cfg.retry)
+    return SyncRollouts(self._episode(engine), self.tasks, cfg.rollout.group_size,
+                        cfg.prompts_per_step, seed=self.cfg.seed, retry=cfg.retry)
 
   # ------------------------------------------------------------------ phases
   def _sft(self, start: int, resume: bool, bar, writer) -> int:

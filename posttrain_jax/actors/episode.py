@@ -21,15 +21,24 @@ A task that can *never* run (its prompt is longer than the engine accepts) is no
 error: the episode raises `InvalidTaskError(index)` and the source drops that task with its own
 counted reason ("invalid") and runs the rest.
 
-A multi-turn episode (an environment with tools) implements the same `run`; nothing in either
-source or the pool changes.
+A new kind of episode (a multi-turn environment with tools) is one module under
+`posttrain_jax/actors/` implementing the same `run` and registering a builder:
+
+    @register_episode("my_env", MyEnvConfig)
+    def build(cfg: MyEnvConfig, ctx: EpisodeContext) -> Episode: ...
+
+selected with `rl.episode="my_env"` (its settings in `rl.episode_config`); nothing in either
+source, the pool or the trainer changes.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Protocol, Sequence
+import importlib
+import pkgutil
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from posttrain_jax.envs import Task
+from posttrain_jax.registry import Registry
 from posttrain_jax.types import Source, Status, Trajectory
 
 
@@ -66,6 +75,48 @@ class Episode(Protocol):
   def run(self, items: Sequence[WorkItem], seed: int) -> list[list[Trajectory]]:
     """One graded group per item, in order; raises on our failure (see module docstring)."""
     ...
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeContext:
+  """What the run gives an episode builder."""
+  engine: Any                     # the rollout engine (Engine protocol)
+  tokenizer: Any                  # HF tokenizer with the chat template
+  grader: Callable                # (completion text, task) -> GradeResult
+  rollout: Any                    # RolloutConfig: G, max_tokens, sampling, truncation policy
+  stop_token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeSpec:
+  name: str
+  config_cls: type
+  build: Callable[[Any, EpisodeContext], Episode]
+
+
+EPISODES: Registry[EpisodeSpec] = Registry("episode type")
+
+
+def register_episode(name: str, config_cls: type):
+  """Decorator registering `build(cfg, ctx) -> Episode` under `name` (for `rl.episode`)."""
+  def deco(build):
+    EPISODES.register(name)(EpisodeSpec(name, config_cls, build))
+    return build
+  return deco
+
+
+_discovered = False
+
+
+def episode_spec(name: str) -> EpisodeSpec:
+  """The registered episode type `name` (every module of posttrain_jax.actors is imported)."""
+  global _discovered
+  if not _discovered:
+    import posttrain_jax.actors as pkg
+    for mod in pkgutil.iter_modules(pkg.__path__):
+      importlib.import_module(f"{pkg.__name__}.{mod.name}")
+    _discovered = True
+  return EPISODES.get(name)
 
 
 @dataclasses.dataclass(frozen=True)

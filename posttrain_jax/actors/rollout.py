@@ -22,8 +22,8 @@ import time
 from typing import Callable, Optional, Sequence
 
 from posttrain_jax.actors.episode import (
-    InvalidTaskError, RetryConfig, WorkItem, all_infra, drop_invalid, infra_group,
-    requeue_or_give_up)
+    EpisodeContext, InvalidTaskError, RetryConfig, WorkItem, all_infra, drop_invalid,
+    infra_group, register_episode, requeue_or_give_up)
 from posttrain_jax.engines.base import Completion, Engine, PromptTooLongError, SamplingParams
 from posttrain_jax.envs import GradeResult, Task
 from posttrain_jax.errors import UserError
@@ -141,6 +141,17 @@ class TaskEpisode:
       out.append(_trajectory(item, j, prompt, comp, text, grade, status, self.cfg,
                              {"generate_s": gen_s}))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskEpisodeConfig:
+  """Single-turn episodes take their settings from `rl.rollout` (RolloutConfig)."""
+
+
+@register_episode("task", TaskEpisodeConfig)
+def _build_task_episode(cfg: TaskEpisodeConfig, ctx: EpisodeContext) -> TaskEpisode:
+  del cfg
+  return TaskEpisode(ctx.engine, ctx.tokenizer, ctx.grader, ctx.rollout, ctx.stop_token_ids)
 
 
 def draw_task(tasks, drawn: int):
