@@ -18,18 +18,19 @@ post-processing (e.g. the CPU repacking), so the result equals a fresh load of t
 checkpoint. The caller must reset the prefix cache afterwards (cached KV blocks were
 computed with the old weights).
 
-This module must import in a vLLM worker process: numpy / torch only, never JAX.
+This module must import in a vLLM worker process: numpy / torch only, never JAX (the
+safetensors header code it shares with the loader, models/safetensors_io.py, imports none).
 """
 from __future__ import annotations
 
-import json
 import mmap
 import os
-import struct
 import warnings
 from typing import Iterable, Optional
 
 import numpy as np
+
+from posttrain_jax.models.safetensors_io import encode_header, read_header
 
 # safetensors dtype codes <-> numpy / torch dtype names.
 _CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64",
@@ -62,9 +63,7 @@ def pack_layout(pairs: Iterable[tuple[str, np.ndarray]], dtype: Optional[str] = 
                     "data_offsets": [offset, offset + nbytes]}
     items.append((name, arr, offset, out))
     offset += nbytes
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)  # 8-byte aligned data section
-  return struct.pack("<Q", len(blob)) + blob, items, offset
+  return encode_header(header), items, offset
 
 
 # Pre-fault the whole mapping in one call: page by page faults made copies 4x slower.
@@ -126,14 +125,12 @@ def unpack_torch(buf):
   """[(name, torch tensor)] viewing `buf` (zero-copy; the tensors keep `buf` alive)."""
   import torch
   raw = memoryview(buf)
-  (n,) = struct.unpack("<Q", raw[:8])
-  header = json.loads(bytes(raw[8:8 + n]))
-  header.pop("__metadata__", None)
-  start = 8 + n
+  header = read_header(raw, name="weight buffer")
+  start = header.data_start
   out = []
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)  # read-only buffers: vLLM only reads them
-    for name, info in header.items():
+    for name, info in header.tensors.items():
       begin, end = info["data_offsets"]
       dtype = getattr(torch, _TORCH[info["dtype"]])
       t = torch.frombuffer(raw, dtype=torch.uint8, count=end - begin, offset=start + begin)

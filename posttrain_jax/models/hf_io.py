@@ -15,7 +15,6 @@ import json
 import os
 import pathlib
 import shutil
-import tempfile
 from typing import Iterator, Optional
 
 import jax
@@ -26,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from posttrain_jax import sharding as shd
 from posttrain_jax.models.config import ConfigError, ModelConfig, from_hf_dict, to_hf_dict
 from posttrain_jax.models.decoder import Decoder
+from posttrain_jax.models.fsutil import atomic_directory
 from posttrain_jax.models.safetensors_io import Checkpoint, SafetensorsError, write_safetensors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -163,9 +163,7 @@ def save_hf_model(model: Decoder, out_dir: os.PathLike, *, tokenizer_dir: Option
     for _ in tensors:  # take part in the all-gathers
       pass
     return out_dir
-  out_dir.parent.mkdir(parents=True, exist_ok=True)
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-  try:
+  with atomic_directory(out_dir) as tmp:
     shards, current, size = [], [], 0
     for name, arr in tensors:
       if current and size + arr.nbytes > max_shard_bytes:
@@ -190,17 +188,6 @@ def save_hf_model(model: Decoder, out_dir: os.PathLike, *, tokenizer_dir: Option
         src = pathlib.Path(tokenizer_dir) / fname
         if src.exists():
           shutil.copy2(src, tmp / fname)
-    if out_dir.exists():
-      old = out_dir.with_name(f".{out_dir.name}.old")
-      shutil.rmtree(old, ignore_errors=True)
-      out_dir.rename(old)
-      tmp.rename(out_dir)
-      shutil.rmtree(old, ignore_errors=True)
-    else:
-      tmp.rename(out_dir)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
   return out_dir
 
 

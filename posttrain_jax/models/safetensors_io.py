@@ -4,14 +4,19 @@ Format: 8-byte little-endian header length N, N bytes of JSON
 `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`, then the
 raw little-endian tensor bytes. Reading maps the file and hands out zero-copy views, so a
 loader can slice each device's shard of a tensor without reading the rest of it.
+
+`read_header` / `encode_header` are the one parser and the one encoder of that header, for
+files and for in-memory buffers alike (vLLM weight pushes, engines/vllm_worker.py). This
+module imports no JAX: the vLLM worker process imports it.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
 import struct
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Union
 
 import ml_dtypes
 import numpy as np
@@ -28,20 +33,72 @@ class SafetensorsError(ValueError):
   """A malformed or unreadable safetensors file; the message names the file (and tensor)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Header:
+  """A parsed safetensors header."""
+  tensors: dict[str, dict]  # name -> {"dtype": code, "shape": [...], "data_offsets": [b, e]}
+  metadata: dict            # the "__metadata__" entry ({} when absent)
+  data_start: int           # byte offset of the data section (8 + header length)
+
+
+def read_header(source: Union[os.PathLike, str, bytes, bytearray, memoryview],
+                name: str = "buffer") -> Header:
+  """The header of a safetensors file (a path: only the header is read) or of a buffer.
+
+  Checked: the header length fits the file, the JSON is an object of tensor entries, and
+  every tensor's bytes lie inside the file, so a truncated file fails here, by name.
+  `name` names a buffer in errors (a path names itself).
+  """
+  if isinstance(source, (str, os.PathLike)):
+    try:
+      with open(source, "rb") as f:
+        def read(offset: int, n: int) -> bytes:
+          f.seek(offset)
+          return f.read(n)
+        return _parse(read, os.fstat(f.fileno()).st_size, str(source))
+    except OSError as e:
+      raise SafetensorsError(f"{source}: not a readable safetensors file ({e})") from None
+  raw = memoryview(source).cast("B")
+  return _parse(lambda offset, n: bytes(raw[offset:offset + n]), raw.nbytes, name)
+
+
+def _parse(read: Callable[[int, int], bytes], size: int, where: str) -> Header:
+  """`read(offset, n)` returns up to n bytes at offset; `size` is the whole file's."""
+  try:
+    (n,) = struct.unpack("<Q", read(0, 8))
+    if 8 + n > size:
+      raise ValueError(f"header length {n} exceeds the file size {size}")
+    tensors = json.loads(read(8, n))
+    if not isinstance(tensors, dict):
+      raise ValueError("the header is not a JSON object")
+    metadata = tensors.pop("__metadata__", None) or {}
+    end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+  except (ValueError, KeyError, TypeError, IndexError, struct.error) as e:
+    raise SafetensorsError(f"{where}: not a readable safetensors file ({e})") from None
+  if 8 + n + end > size:
+    raise SafetensorsError(f"{where}: truncated ({size} bytes, its header needs {8 + n + end})")
+  return Header(tensors, metadata, 8 + n)
+
+
+def encode_header(tensors: dict[str, dict], metadata: dict | None = None) -> bytes:
+  """Length prefix + JSON header (padded so that the data section is 8-byte aligned)."""
+  header = dict(tensors)
+  if metadata is not None:
+    header["__metadata__"] = metadata
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)
+  return struct.pack("<Q", len(blob)) + blob
+
+
 class SafetensorsFile:
   """Read-only view of one .safetensors file."""
 
   def __init__(self, path: os.PathLike):
     self.path = pathlib.Path(path)
-    try:
-      with open(self.path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise SafetensorsError(f"{self.path}: not a readable safetensors file ({e})") from None
-    self.metadata = header.pop("__metadata__", {}) or {}
-    self._header = header
-    self._data_start = 8 + n
+    header = read_header(self.path)
+    self.metadata = header.metadata
+    self._header = header.tensors
+    self._data_start = header.data_start
     self._mmap = None
 
   def names(self) -> list[str]:
@@ -81,12 +138,8 @@ def write_safetensors(path: os.PathLike, tensors: Iterable[tuple[str, np.ndarray
     header[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape),
                     "data_offsets": [offset, offset + arr.nbytes]}
     offset += arr.nbytes
-  header["__metadata__"] = {"format": "pt", **(metadata or {})}
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)  # align the data section to 8 bytes
   with open(path, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
+    f.write(encode_header(header, {"format": "pt", **(metadata or {})}))
     for _, arr in items:
       f.write(arr.tobytes())
 
