@@ -1,7 +1,19 @@
-"""Test-wide setup: 8 host devices so sharding tests run on CPU, float32 matmuls exact."""
+"""Test-wide setup: 8 host devices so sharding tests run on CPU, float32 matmuls exact.
+
+The device count is appended to an `XLA_FLAGS` the caller already set (e.g. another XLA
+flag), unless that names a device count itself. Tests marked `@pytest.mark.devices(n)` need n
+devices. Fewer devices FAIL them where the count was ours to give -- CPU with our flag -- or
+under CI (`CI` set), since the tests would otherwise vanish as silent skips; they skip only
+where the caller chose the devices (their own device-count flag, or a GPU/TPU platform).
+"""
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import pytest
+
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+_CALLER_SET_DEVICES = _DEVICE_FLAG in os.environ.get("XLA_FLAGS", "")
+if not _CALLER_SET_DEVICES:
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}=8".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -10,3 +22,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "devices(n): needs n JAX devices (8 CPU devices by default; "
+                                     "fewer fail on CPU and under CI, skip elsewhere)")
+
+
+def pytest_runtest_setup(item):
+  marker = item.get_closest_marker("devices")
+  if marker is None:
+    return
+  need, have = marker.args[0], jax.device_count()
+  if have >= need:
+    return
+  ours = jax.default_backend() == "cpu" and not _CALLER_SET_DEVICES
+  message = (f"needs {need} devices, found {have} {jax.default_backend()} device(s) "
+             f"(XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
+  if ours or os.environ.get("CI"):
+    pytest.fail(message, pytrace=False)
+  pytest.skip(message)
