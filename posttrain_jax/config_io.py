@@ -13,8 +13,10 @@ import types
 import typing
 from typing import Any, Callable, Mapping, Optional, Union
 
+from posttrain_jax.errors import UserError
 
-class ConfigTypeError(TypeError):
+
+class ConfigTypeError(UserError, TypeError):
   """A config value of the wrong type, or an unknown field; names the field path."""
 
 

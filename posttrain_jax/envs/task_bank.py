@@ -42,12 +42,13 @@ import numpy as np
 
 from posttrain_jax.envs import synthetic
 from posttrain_jax.envs.task import Task, TaskError, is_held_out
+from posttrain_jax.errors import UserError
 from posttrain_jax.registry import Registry
 
 _MAX_REPORTED_ERRORS = 5
 
 
-class TaskBankError(ValueError):
+class TaskBankError(UserError, ValueError):
   """Malformed task data or config; the message names the file, the line or the field."""
 
 

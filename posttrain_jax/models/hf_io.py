@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from posttrain_jax import sharding as shd
+from posttrain_jax.errors import PathNotFoundError
 from posttrain_jax.models.config import ConfigError, ModelConfig, from_hf_dict, to_hf_dict
 from posttrain_jax.models.decoder import Decoder
 from posttrain_jax.models.fsutil import atomic_directory
@@ -36,14 +37,20 @@ class CheckpointError(ValueError):
   """A checkpoint that does not match its config; the message names the tensor and file."""
 
 
+def _check_model_dir(path: pathlib.Path) -> None:
+  if not path.exists():
+    raise PathNotFoundError(f"model directory {path} does not exist")
+  if not path.is_dir():
+    raise PathNotFoundError(f"model directory {path} is a file, not a directory")
+
+
 def read_model_config(path: os.PathLike, **overrides) -> ModelConfig:
   """Reads `<path>/config.json` into a ModelConfig (overrides: dtypes, remat)."""
   path = pathlib.Path(path)
-  if not path.is_dir():
-    raise FileNotFoundError(f"model directory {path} does not exist")
+  _check_model_dir(path)
   cfg_path = path / "config.json"
   if not cfg_path.exists():
-    raise FileNotFoundError(f"{path}: no config.json (is this a HF model directory?)")
+    raise PathNotFoundError(f"{path}: no config.json (is this a HF model directory?)")
   try:
     hf = json.loads(cfg_path.read_text())
   except json.JSONDecodeError as e:
@@ -195,8 +202,9 @@ def load_tokenizer(path: os.PathLike):
   """The tokenizer (with its chat template) stored beside the weights, via transformers."""
   from transformers import AutoTokenizer
   path = pathlib.Path(path)
+  _check_model_dir(path)
   if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
-    raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    raise PathNotFoundError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
   return AutoTokenizer.from_pretrained(str(path))
 
 
