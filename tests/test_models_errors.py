@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from posttrain_jax.models import hf_io
+from posttrain_jax.models import families, hf_io
 from posttrain_jax.models.config import ConfigError
 from posttrain_jax.models.safetensors_io import SafetensorsError
 from tests.hf_testing import save_random_hf_model
@@ -29,9 +29,10 @@ def test_missing_weights(tmp_path):
 def test_unsupported_architecture_lists_supported(tmp_path):
   save_random_hf_model("qwen2", tmp_path)
   conf = json.loads((tmp_path / "config.json").read_text())
-  conf["architectures"], conf["model_type"] = ["MistralForCausalLM"], "mistral"
+  conf["architectures"], conf["model_type"] = ["GPT2LMHeadModel"], "gpt2"
   (tmp_path / "config.json").write_text(json.dumps(conf))
-  with pytest.raises(ConfigError, match="MistralForCausalLM.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+  supported = ", ".join(families.architectures())  # LlamaForCausalLM, Qwen2ForCausalLM, ...
+  with pytest.raises(ConfigError, match=f"GPT2LMHeadModel.*supported: {supported}$"):
     hf_io.load_hf_model(tmp_path)
 
 
