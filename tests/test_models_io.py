@@ -134,3 +134,14 @@ def test_atomic_directory_failed_rename_puts_the_old_one_back(tmp_path, monkeypa
       (tmp / "b").write_text("new")
   monkeypatch.undo()
   assert (out / "a").read_text() == "old" and _listing(tmp_path) == ["ckpt"]
+
+
+def test_worker_unpacks_the_buffer_it_was_sent():
+  torch = pytest.importorskip("torch")
+  arrays = _arrays()
+  got = dict(vllm_worker.unpack_torch(vllm_worker.pack_bytes(arrays.items())))
+  assert list(got) == list(arrays)
+  np.testing.assert_array_equal(got["a.weight"].numpy(), arrays["a.weight"])
+  np.testing.assert_array_equal(got["c.ids"].numpy(), arrays["c.ids"])
+  assert got["b.bias"].dtype == torch.bfloat16
+  np.testing.assert_array_equal(got["b.bias"].float().numpy(), arrays["b.bias"].astype(np.float32))
