@@ -83,11 +83,15 @@ def test_grpo_without_old_logp_is_on_policy_reinforce():
   assert loss == pytest.approx(-2.0, abs=1e-6)
   np.testing.assert_allclose(grad[0], [-1.0, -1.0, 0.0], atol=1e-6)
   np.testing.assert_allclose(metrics["ratio_mean"], (2.0, 2.0))
-  # A correction then reads π_old = π_θ too: TIS with ρ = π_θ/μ.
+  # A correction needs log π_old: given as the learner's value before the update (= logp),
+  # TIS weighs by ρ = π_θ/μ; missing, it is an error (no stop_gradient(logp) stand-in).
   seqs[0].beh = np.array([-1.0 - np.log(3.0), -2.0 + np.log(2.0), 0.0])    # ρ = 3, 0.5
-  loss, _, grad = _run("grpo", GRPOConfig(correction="tis"), seqs, fields=("beh",))
+  seqs[0].old = seqs[0].logp.copy()
+  loss, _, grad = _run("grpo", GRPOConfig(correction="tis"), seqs, fields=("old", "beh"))
   assert loss == pytest.approx(-2.0 * (2.0 + 0.5) / 2, abs=1e-5)
   np.testing.assert_allclose(grad[0], [-2.0, -0.5, 0.0], atol=1e-5)
+  with pytest.raises(ValueError, match="batch.old_logp"):
+    _run("grpo", GRPOConfig(correction="tis"), seqs, fields=("beh",))
 
 
 def test_cispo_hand():

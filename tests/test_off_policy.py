@@ -8,7 +8,7 @@ from tests.loss_testing import (Seq, check_invariances, check_separable, from_bt
                           to_bt)
 from posttrain_jax.losses import (CORRECTIONS, CISPOConfig, DecoupledConfig, GeoMaskConfig,
                                   GRPOConfig, IcePopConfig, M2POConfig, MISConfig, SeqTISConfig,
-                                  TISConfig)
+                                  TISConfig, get_loss)
 from posttrain_jax.losses import off_policy
 
 
@@ -208,12 +208,13 @@ def test_wrong_correction_config_type_is_named():
     GRPOConfig(correction="mis", correction_cfg=TISConfig())
 
 
-def test_separable_path_needs_old_logp_for_a_correction():
+def test_a_correction_needs_old_and_behaviour_logp_on_both_paths():
+  """No stop_gradient(logp) stand-in for a missing old_logp, on the loss function either."""
   seqs = random_seqs(np.random.default_rng(44))
   lay = layout(seqs, one_per_row(seqs), fields=("beh",))
-  from posttrain_jax.losses import get_loss
   with pytest.raises(ValueError, match="batch.old_logp"):
     get_loss("grpo").token_terms(lay.batch, GRPOConfig(correction="tis"))
-  lay = layout(seqs, one_per_row(seqs), fields=("old",))
+  with pytest.raises(ValueError, match="batch.old_logp"):
+    _run("grpo", GRPOConfig(correction="tis"), seqs, fields=("beh",))
   with pytest.raises(ValueError, match="batch.behaviour_logp"):
     _run("grpo", GRPOConfig(correction="icepop"), seqs, fields=("old",))

@@ -1,8 +1,8 @@
 """Loss registry and the loss families; importing this package registers every loss.
 
 Use: `spec = get_loss(name)`; `loss, metrics = spec.fn(logp_bt, batch, cfg)` with
-`cfg = spec.config_cls(...)`. Separable losses also give `spec.token_terms` / `spec.token_loss`
-(see losses/base.py).
+`cfg = spec.config_cls(...)`; `spec.needs(cfg)` names the optional batch fields it reads.
+Separable losses also give `spec.token_terms` / `spec.token_loss` (see losses/base.py).
 """
 from posttrain_jax.losses.base import LOSSES, LossSpec, get_loss, register_loss, weighted
 from posttrain_jax.losses import aggregation, kl, off_policy, sft, grpo  # noqa: F401  (registers)

@@ -19,19 +19,51 @@ only through that token's own `logp_t`:
 `token_terms` precomputes everything that needs the whole batch (advantages, normalising
 weights, masks) as `[B, T]` arrays; `token_loss` is elementwise and works on any shape. The
 fused LM-head kernel uses this form to compute gradients during its forward pass.
+
+Inputs. Every loss declares which optional TrainBatch fields (`behaviour_logp`, `old_logp`,
+`ref_logp`, `teacher_logp`) it needs for a given config: `register_loss(..., inputs=...)`
+takes a static tuple of field names or a function `cfg -> iterable of names`, and
+`spec.needs(cfg)` returns them as a frozenset. The learner loop computes exactly those
+fields (a reference forward pass for `ref_logp`, the pre-update forward pass for `old_logp`).
+The contract, on both paths (`fn` and `token_terms`):
+- a field in `needs(cfg)` is read; when it is None the loss raises a ValueError that names
+  the field and the loss (it never substitutes a value);
+- a field outside `needs(cfg)` may be None and the loss works. Where such a field is given
+  anyway, only two things may read it: `old_logp` in the policy-gradient family (grpo, cispo,
+  gspo: absent means on-policy, π_old = stop_gradient(π_θ), which is what a recomputed
+  `old_logp` equals before the first update; a multi-epoch loop fills it to keep π_old fixed),
+  and diagnostics metrics (e.g. `kl` from `ref_logp`, `correction/abs_logp_diff` from
+  `behaviour_logp`). The loss value and gradient never depend on any other extra field.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 import jax
 import jax.numpy as jnp
 
 from posttrain_jax.registry import Registry
+from posttrain_jax.types import TrainBatch
 
 Metrics = dict[str, tuple[jax.Array, jax.Array]]
 LossFn = Callable[..., tuple[jax.Array, Metrics]]
+Inputs = Union[Callable[[Any], Iterable[str]], tuple[str, ...]]
+
+# The TrainBatch fields a loss may need: the optional (default None) ones.
+OPTIONAL_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainBatch) if f.default is None)
+
+
+def _checked_fields(loss: str, names: Iterable[str]) -> frozenset[str]:
+  if isinstance(names, str):
+    raise TypeError(f"loss {loss!r}: inputs must be an iterable of field names, got the string "
+                    f"{names!r}; write ({names!r},)")
+  out = frozenset(names)
+  bad = sorted(out - OPTIONAL_FIELDS)
+  if bad:
+    raise ValueError(f"loss {loss!r} declares inputs {bad}, which are not optional TrainBatch "
+                     f"fields; valid: {sorted(OPTIONAL_FIELDS)}")
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,22 +74,35 @@ class LossSpec:
   config_cls: type
   token_terms: Optional[Callable[[Any, Any], Any]] = None       # (batch, cfg) -> aux pytree of [B, T]
   token_loss: Optional[Callable[[jax.Array, Any, Any], jax.Array]] = None  # (logp, aux, cfg) -> ell
+  inputs: Inputs = ()             # optional batch fields needed: names, or cfg -> names
 
   @property
   def separable(self) -> bool:
     return self.token_loss is not None
 
+  def needs(self, cfg) -> frozenset[str]:
+    """The optional TrainBatch fields this loss reads under `cfg` (see the module docstring)."""
+    if not isinstance(cfg, self.config_cls):
+      raise TypeError(f"loss {self.name!r} takes a {self.config_cls.__name__}, got "
+                      f"{type(cfg).__name__}")
+    return _checked_fields(self.name, self.inputs(cfg) if callable(self.inputs) else self.inputs)
+
 
 LOSSES: Registry[LossSpec] = Registry("loss")
 
 
-def register_loss(name: str, config_cls: type, *, token_terms=None, token_loss=None):
-  """Decorator: `@register_loss("grpo", GRPOConfig, token_terms=..., token_loss=...)`."""
+def register_loss(name: str, config_cls: type, *, inputs: Inputs, token_terms=None,
+                  token_loss=None):
+  """Decorator: `@register_loss("grpo", GRPOConfig, inputs=grpo_inputs, token_terms=...,
+  token_loss=...)`. `inputs` is required: a tuple of optional TrainBatch field names, or a
+  function `cfg -> iterable of names` (`()` for a loss that needs none)."""
   if (token_terms is None) != (token_loss is None):
     raise ValueError(f"loss {name!r}: give both token_terms and token_loss, or neither")
+  if not callable(inputs):
+    inputs = tuple(sorted(_checked_fields(name, inputs)))
 
   def deco(fn: LossFn) -> LossFn:
-    LOSSES.register(name)(LossSpec(name, fn, config_cls, token_terms, token_loss))
+    LOSSES.register(name)(LossSpec(name, fn, config_cls, token_terms, token_loss, inputs))
     return fn
   return deco
 

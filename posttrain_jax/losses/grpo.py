@@ -16,12 +16,15 @@ weight (losses/aggregation.py):
          loss = (1/n) Σ_i ℓ_i + β · KL (sequence-mean of token-means)  (GSPO, Qwen 2025;
                                                                     ε = 3e-4, 4e-4)
 
-grpo and cispo are separable: `token_terms(batch, cfg)` holds w_t, A_t, c_t, log π_old and
-log π_ref as constants, `token_loss(logp, terms, cfg)` is elementwise in logp, and the loss
-function is literally Σ token_loss. When `batch.old_logp` is None the update is on-policy:
-π_old = stop_gradient(π_θ), r_t = 1 with gradient ∇log π_θ (token_terms leaves it None and
-token_loss uses stop_gradient(logp); corrections that need log π_old then require the batch
-to carry it for the separable path, and the loss function fills it with stop_gradient(logp)).
+grpo and cispo are separable: `token_terms(batch, cfg)` holds w_t, A_t, c_t, the ratio's
+base log-prob and log π_ref as constants, `token_loss(logp, terms, cfg)` is elementwise in
+logp, and the loss function is literally Σ token_loss. When `batch.old_logp` is None (and
+nothing needs it) the update is on-policy: π_old = stop_gradient(π_θ), r_t = 1 with gradient
+∇log π_θ (token_terms leaves the base None and token_loss uses stop_gradient(logp)). Batch
+inputs (`LossSpec.needs`, losses/base.py): ref_logp iff kl_coef > 0; old_logp and
+behaviour_logp iff the correction reads them (every one but "none"); behaviour_logp for
+cispo's ratio_base="behaviour". A needed field that is None raises on both paths; nothing is
+filled in for it.
 
 Simplifications: the advantage is whatever the batch carries per token (GSPO averages it over
 the sequence's sampled tokens, which equals A_i for the usual broadcast advantage); GSPO takes
@@ -162,7 +165,21 @@ def _ppo_clip(ratio, adv, cfg):
   return ell
 
 
+def _pg_inputs(cfg, base_field: str) -> set[str]:
+  """ref_logp iff kl_coef > 0; the correction's fields; the ratio's base unless it is old_logp."""
+  out = set(off_policy.correction_inputs(cfg.correction))
+  if cfg.kl_coef > 0:
+    out.add("ref_logp")
+  if base_field != "old_logp":
+    out.add(base_field)
+  return out
+
+
 # ------------------------------------------------------------------ grpo
+
+def grpo_inputs(cfg: GRPOConfig) -> set[str]:
+  return _pg_inputs(cfg, "old_logp")
+
 
 def grpo_token_terms(batch: TrainBatch, cfg: GRPOConfig) -> PGTerms:
   return _pg_parts(batch, cfg, "old_logp", "grpo")[0]
@@ -172,12 +189,6 @@ def grpo_token_loss(logp: jax.Array, terms: PGTerms, cfg: GRPOConfig) -> jax.Arr
   live, logp, base = _prepare(logp, terms)
   ell = terms.corr_bt * _ppo_clip(jnp.exp(logp - base), terms.adv_bt, cfg)
   return _with_kl(ell, logp, live, terms, cfg)
-
-
-def _fill_old(batch: TrainBatch, logp_bt: jax.Array) -> TrainBatch:
-  if batch.old_logp is None:
-    return dataclasses.replace(batch, old_logp=sg(logp_bt))
-  return batch
 
 
 def _common_metrics(logp_bt, batch, cfg, corr, loss, count, pg_loss) -> Metrics:
@@ -205,10 +216,10 @@ def _ratio_metrics(ratio_bt, adv_bt, batch, cfg) -> Metrics:
   return out
 
 
-@register_loss("grpo", GRPOConfig, token_terms=grpo_token_terms, token_loss=grpo_token_loss)
+@register_loss("grpo", GRPOConfig, inputs=grpo_inputs, token_terms=grpo_token_terms,
+               token_loss=grpo_token_loss)
 def grpo_loss(logp_bt: jax.Array, batch: TrainBatch, cfg: GRPOConfig):
   """PPO-clip GRPO loss; see the module docstring."""
-  batch = _fill_old(batch, logp_bt)
   terms, corr = _pg_parts(batch, cfg, "old_logp", "grpo")
   loss = jnp.sum(grpo_token_loss(logp_bt, terms, cfg))
   _, count = agg.aggregation_weights(cfg.aggregation, batch, cfg.max_len)
@@ -227,6 +238,10 @@ def _cispo_base(cfg: CISPOConfig) -> str:
   return "old_logp" if cfg.ratio_base == "old" else "behaviour_logp"
 
 
+def cispo_inputs(cfg: CISPOConfig) -> set[str]:
+  return _pg_inputs(cfg, _cispo_base(cfg))
+
+
 def cispo_token_terms(batch: TrainBatch, cfg: CISPOConfig) -> PGTerms:
   return _pg_parts(batch, cfg, _cispo_base(cfg), "cispo")[0]
 
@@ -242,10 +257,10 @@ def cispo_token_loss(logp: jax.Array, terms: PGTerms, cfg: CISPOConfig) -> jax.A
   return _with_kl(ell, logp, live, terms, cfg)
 
 
-@register_loss("cispo", CISPOConfig, token_terms=cispo_token_terms, token_loss=cispo_token_loss)
+@register_loss("cispo", CISPOConfig, inputs=cispo_inputs, token_terms=cispo_token_terms,
+               token_loss=cispo_token_loss)
 def cispo_loss(logp_bt: jax.Array, batch: TrainBatch, cfg: CISPOConfig):
   """CISPO loss; see the module docstring."""
-  batch = _fill_old(batch, logp_bt)
   terms, corr = _pg_parts(batch, cfg, _cispo_base(cfg), "cispo")
   loss = jnp.sum(cispo_token_loss(logp_bt, terms, cfg))
   _, count = agg.aggregation_weights(cfg.aggregation, batch, cfg.max_len)
@@ -264,7 +279,11 @@ def cispo_loss(logp_bt: jax.Array, batch: TrainBatch, cfg: CISPOConfig):
 
 # ------------------------------------------------------------------ gspo
 
-@register_loss("gspo", GSPOConfig)
+def gspo_inputs(cfg: GSPOConfig) -> set[str]:
+  return {"ref_logp"} if cfg.kl_coef > 0 else set()
+
+
+@register_loss("gspo", GSPOConfig, inputs=gspo_inputs)
 def gspo_loss(logp_bt: jax.Array, batch: TrainBatch, cfg: GSPOConfig):
   """GSPO loss (not separable: one ratio per sequence); see the module docstring."""
   live = batch.loss_mask > 0

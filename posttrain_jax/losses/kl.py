@@ -67,6 +67,10 @@ class KLConfig:
     agg.validate_aggregation(self.aggregation, self.max_len)
 
 
+def kl_inputs(cfg: KLConfig) -> tuple[str, ...]:
+  return (_AGAINST_FIELDS[cfg.against],)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KLTerms:
@@ -88,7 +92,8 @@ def kl_token_loss(logp: jax.Array, terms: KLTerms, cfg: KLConfig) -> jax.Array:
                    0.0)
 
 
-@register_loss("kl", KLConfig, token_terms=kl_token_terms, token_loss=kl_token_loss)
+@register_loss("kl", KLConfig, inputs=kl_inputs, token_terms=kl_token_terms,
+               token_loss=kl_token_loss)
 def kl_loss(logp_bt: jax.Array, batch: TrainBatch, cfg: KLConfig):
   """Σ_t w_t k(log q_t − log π_θ,t); metrics: loss, kl_k1/k2/k3 (token means), nll."""
   terms = kl_token_terms(batch, cfg)

@@ -27,10 +27,12 @@ weighted). Registered corrections, with their defaults:
 
 Everything is computed from batch fields only (`token_terms` time), so a GRPO loss stays
 separable in log π_θ. What we simplified, and why:
-- M2PO's second moment is taken with the stop-gradient value of log π_θ, i.e. log π_old (the
-  non-separable path fills `old_logp` with stop_gradient(logp) when it is missing). The mask is
-  not elementwise: it is a statistic of all sampled tokens *in the call*, so under gradient
-  accumulation each micro-batch gets its own mask (micro-batched ≠ full batch for m2po only).
+- M2PO's second moment is taken with the value of log π_θ before the update, i.e. log π_old
+  (`old_logp` is required). The mask is not elementwise: it is a statistic of all sampled
+  tokens *in the call*, so under gradient accumulation each micro-batch gets its own mask
+  (micro-batched ≠ full batch for m2po only).
+- Every correction but "none" needs both `old_logp` and `behaviour_logp`, on both loss paths:
+  a missing one is an error, never replaced by stop_gradient(logp).
 - `decoupled` masks tokens above the cap (as AReaL's `behav_imp_weight_cap` does) rather than
   truncating them; `tis` is the truncating variant.
 - Every weight is a constant (stop-gradient); no V-trace (value baselines are not here).
@@ -148,16 +150,21 @@ def resolve(name: str, cfg: Any) -> tuple[CorrectionSpec, Any]:
   return spec, cfg
 
 
+def correction_inputs(name: str) -> frozenset[str]:
+  """The batch fields correction `name` reads (for `LossSpec.needs`)."""
+  if CORRECTIONS.get(name).needs_logps:
+    return frozenset({"old_logp", "behaviour_logp"})
+  return frozenset()
+
+
 def correction_terms(name: str, cfg: Any, batch: TrainBatch, why: str) -> CorrectionTerms:
   """c_t for `batch`; `why` names the loss in error messages."""
   spec, cfg = resolve(name, cfg)
-  if spec.needs_logps:
-    for field in ("old_logp", "behaviour_logp"):
-      if getattr(batch, field) is None:
-        raise ValueError(
-            f"{why} with correction {name!r} needs batch.{field}, which is None. For the "
-            "separable (token_terms) path fill it before the step; the loss function itself "
-            "uses stop_gradient(logp) for a missing old_logp")
+  for field in sorted(correction_inputs(name)):
+    if getattr(batch, field) is None:
+      raise ValueError(
+          f"{why} with correction {name!r} needs batch.{field}, which is None; fill it when "
+          "building the TrainBatch (old_logp: the learner's log-probs before the update)")
   terms = spec.terms(batch, cfg)
   return jax.tree_util.tree_map(jax.lax.stop_gradient, terms)
 

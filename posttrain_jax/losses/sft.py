@@ -40,7 +40,8 @@ def sft_token_loss(logp: jax.Array, weight: jax.Array, cfg: SFTConfig) -> jax.Ar
   return jnp.where(weight != 0, -weight * logp, 0.0)
 
 
-@register_loss("sft", SFTConfig, token_terms=sft_token_terms, token_loss=sft_token_loss)
+@register_loss("sft", SFTConfig, inputs=(), token_terms=sft_token_terms,
+               token_loss=sft_token_loss)
 def sft_loss(logp_bt: jax.Array, batch: TrainBatch, cfg: SFTConfig):
   """Σ_t w_t (−log π_θ(y_t)); metrics: loss, nll (token mean, whatever the aggregation)."""
   weight_bt, count = agg.aggregation_weights(cfg.aggregation, batch, cfg.max_len)
