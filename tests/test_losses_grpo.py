@@ -130,7 +130,7 @@ def test_gspo_hand():
 
 PG_CASES = [
     dict(aggregation="token_mean"),
-    dict(aggregation="seq_mean_token_mean", dual_clip_c=1.5, kl_coef=0.2, kl_estimator="k1"),
+    dict(aggregation="seq_mean_token_mean", dual_clip_c=1.5, kl_coef=0.2, kl_estimator="k2"),
     dict(aggregation="seq_mean_token_sum_norm", max_len=8, kl_coef=0.3, kl_estimator="k3"),
     dict(aggregation="token_mean", kl_coef=0.1, kl_estimator="k2", correction="tis"),
     dict(aggregation="seq_mean_token_mean", correction="mis"),

@@ -11,10 +11,15 @@ weight (losses/aggregation.py):
   cispo  ℓ_t = −A_t · sg(clip(r_t, 1−ε_low, 1+ε_high)) · log π_θ(y_t)  (MiniMax-M1 2025;
                                                                     NeMo-RL defaults ε = 1, 5)
   both   loss = Σ_t w_t (c_t ℓ_t + β · k(log π_ref − log π_θ))       KL to a frozen reference,
-                                                                    k ∈ {k1, k2, k3} (losses/kl.py)
+                                                                    k ∈ {k2, k3} (losses/kl.py)
   gspo   s_i = exp(mean_{t∈i} log r_t),  ℓ_i = −min(s_i A_i, clip(s_i, 1−ε_low, 1+ε_high) A_i),
          loss = (1/n) Σ_i ℓ_i + β · KL (sequence-mean of token-means)  (GSPO, Qwen 2025;
                                                                     ε = 3e-4, 4e-4)
+
+The KL term's gradient (losses/kl.py): k3, the default kept from the GRPO paper, gives the
+gradient of the *forward* KL(π_ref‖π_θ) although its value estimates KL(π_θ‖π_ref); k2 gives
+the reverse-KL gradient; k1 gives no signal toward π_ref and is refused when kl_coef > 0
+(with kl_coef = 0 the estimator only sets the `kl` metric, and k1 is allowed there).
 
 grpo and cispo are separable: `token_terms(batch, cfg)` holds w_t, A_t, c_t, the ratio's
 base log-prob and log π_ref as constants, `token_loss(logp, terms, cfg)` is elementwise in
@@ -46,10 +51,21 @@ import jax.numpy as jnp
 from posttrain_jax.losses import aggregation as agg
 from posttrain_jax.losses import off_policy
 from posttrain_jax.losses.base import Metrics, register_loss, weighted
-from posttrain_jax.losses.kl import KL_ESTIMATORS, batch_field, kl_estimate
+from posttrain_jax.losses.kl import KL_ESTIMATORS, batch_field, check_loss_estimator, kl_estimate
 from posttrain_jax.types import TrainBatch
 
 sg = jax.lax.stop_gradient
+
+
+def _validate_kl(cfg) -> None:
+  """kl_coef ≥ 0; the estimator is registered, and usable as a loss term when kl_coef > 0."""
+  name = type(cfg).__name__
+  if cfg.kl_coef < 0:
+    raise ValueError(f"{name}.kl_coef must be ≥ 0, got {cfg.kl_coef}")
+  if cfg.kl_coef > 0:
+    check_loss_estimator(cfg.kl_estimator, f"{name}.kl_estimator (kl_coef={cfg.kl_coef} > 0)")
+  else:
+    KL_ESTIMATORS.get(cfg.kl_estimator)   # the `kl` metric's estimator only
 
 
 def _validate_pg(cfg) -> None:
@@ -57,9 +73,7 @@ def _validate_pg(cfg) -> None:
     raise ValueError(f"{type(cfg).__name__}: need 0 ≤ eps_low ≤ 1 and eps_high ≥ 0; got "
                      f"eps_low={cfg.eps_low}, eps_high={cfg.eps_high}")
   agg.validate_aggregation(cfg.aggregation, cfg.max_len)
-  KL_ESTIMATORS.get(cfg.kl_estimator)
-  if cfg.kl_coef < 0:
-    raise ValueError(f"{type(cfg).__name__}.kl_coef must be ≥ 0, got {cfg.kl_coef}")
+  _validate_kl(cfg)
   off_policy.resolve(cfg.correction, cfg.correction_cfg)
 
 
@@ -72,7 +86,7 @@ class GRPOConfig:
   aggregation: str = "token_mean"       # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
   max_len: Optional[int] = None         # L_max of Dr.GRPO; needed by seq_mean_token_sum_norm
   kl_coef: float = 0.0                  # β of the KL-to-reference term; 0 = none, ref not needed
-  kl_estimator: str = "k3"              # "k1" | "k2" | "k3", x = log π_ref − log π_θ
+  kl_estimator: str = "k3"              # k3: forward-KL gradient; k2: reverse; k1 metric-only
   correction: str = "none"              # a name in losses.off_policy.CORRECTIONS
   correction_cfg: Any = None            # its config, e.g. TISConfig(cap=2.0); None = defaults
 
@@ -91,7 +105,7 @@ class CISPOConfig:
   aggregation: str = "token_mean"       # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
   max_len: Optional[int] = None         # L_max of Dr.GRPO; needed by seq_mean_token_sum_norm
   kl_coef: float = 0.0                  # β of the KL-to-reference term; 0 = none
-  kl_estimator: str = "k3"              # "k1" | "k2" | "k3", x = log π_ref − log π_θ
+  kl_estimator: str = "k3"              # as GRPOConfig.kl_estimator (k1 only with kl_coef = 0)
   correction: str = "none"              # a name in losses.off_policy.CORRECTIONS
   correction_cfg: Any = None            # that correction's config; None = its defaults
 
@@ -107,15 +121,13 @@ class GSPOConfig:
   eps_low: float = 3e-4                 # s_i clipped below at 1 − eps_low
   eps_high: float = 4e-4                # s_i clipped above at 1 + eps_high
   kl_coef: float = 0.0                  # β of the KL-to-reference term; 0 = no term
-  kl_estimator: str = "k3"              # "k1" | "k2" | "k3", x = log π_ref − log π_θ
+  kl_estimator: str = "k3"              # as GRPOConfig.kl_estimator (k1 only with kl_coef = 0)
 
   def __post_init__(self):
     if not 0.0 <= self.eps_low <= 1.0 or self.eps_high < 0.0:
       raise ValueError(f"GSPOConfig: need 0 ≤ eps_low ≤ 1 and eps_high ≥ 0; got "
                        f"eps_low={self.eps_low}, eps_high={self.eps_high}")
-    KL_ESTIMATORS.get(self.kl_estimator)
-    if self.kl_coef < 0:
-      raise ValueError(f"GSPOConfig.kl_coef must be ≥ 0, got {self.kl_coef}")
+    _validate_kl(self)
 
 
 @jax.tree_util.register_dataclass

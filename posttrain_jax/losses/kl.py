@@ -1,19 +1,33 @@
 """Sampled-token KL estimators (k1, k2, k3) and a standalone KL loss.
 
 For a sampled token y_t with learner log-prob log π_θ(y_t) and another policy's log q(y_t)
-(reference, teacher, ...), x_t = log q(y_t) − log π_θ(y_t) and
+(reference, teacher, ...), x_t = log q(y_t) − log π_θ(y_t). As *values*, with y ~ π_θ
+(J. Schulman, "Approximating KL divergence", 2020):
 
-    k1 = −x                 unbiased estimate of KL(π_θ‖q) when y ~ π_θ; can be negative
-    k2 = x² / 2             biased, low variance; its gradient is the KL gradient to first order
-    k3 = exp(x) − 1 − x     unbiased when y ~ π_θ, always ≥ 0, low variance
+    k1 = −x                 unbiased estimate of KL(π_θ‖q); can be negative
+    k2 = x² / 2             biased (exact to second order in x), ≥ 0, low variance
+    k3 = exp(x) − 1 − x     unbiased estimate of KL(π_θ‖q), always ≥ 0, low variance
 
-(J. Schulman, "Approximating KL divergence", 2020; k3 is the GRPO paper's reference KL.)
+As a *loss* (the gradient taken through log π_θ(y) only, q constant, y ~ π_θ not
+differentiated: how GRPO implementations use them), E_y[∇k] is a different story:
+
+    k1   ∇(−x) = ∇log π_θ(y): E = Σ_y ∇π_θ(y) = 0, whatever q is. No signal toward q, only
+         noise: refused as a loss term (KLConfig.estimator, and the GRPO family's
+         kl_estimator when kl_coef > 0); it stays available as a metric.
+    k2   ∇(x²/2) = (log π_θ − log q)(y) ∇log π_θ(y): E = ∇KL(π_θ‖q), the reverse KL, exactly.
+    k3   ∇k3 = (1 − q/π_θ)(y) ∇log π_θ(y): E = −Σ_y q(y)∇log π_θ(y) = ∇KL(q‖π_θ), the
+         *forward* KL (mass-covering), although its value estimates the reverse one.
+
+tests/test_losses_kl_gradients.py checks these by exact enumeration over a small vocabulary.
+With off-policy samples (y ~ μ ≠ π_θ) each expectation is under μ instead, unweighted.
 
 The standalone loss "kl" is `Σ_t w_t k(x_t)` with w_t from the chosen aggregation
-(losses/aggregation.py), q read from the batch field named by `KLConfig.against`.
+(losses/aggregation.py), q read from the batch field named by `KLConfig.against`. Default
+estimator: k2 against a teacher (on-policy distillation minimises the reverse KL(π_θ‖T); k2
+is the estimator whose gradient is that one), k3 otherwise (the reference-KL convention of
+the GRPO paper, DeepSeekMath 2024, whose gradient is then the forward KL's; unchanged).
 Simplifications: only the sampled token enters (no full-vocabulary KL; that lives with the
-distillation losses), and the estimator is applied as a loss whose gradient is taken through
-log π_θ only (q is a constant), as GRPO implementations do.
+distillation losses), and no importance weight corrects off-policy samples.
 """
 from __future__ import annotations
 
@@ -38,6 +52,16 @@ _AGAINST_FIELDS = {"ref": "ref_logp", "teacher": "teacher_logp", "old": "old_log
                    "behaviour": "behaviour_logp"}
 
 
+def check_loss_estimator(estimator: str, field: str) -> None:
+  """Config-time check of an estimator used as a loss term: registered, and not k1."""
+  KL_ESTIMATORS.get(estimator)
+  if estimator == "k1":
+    raise ValueError(f"{field}='k1' cannot be a loss term: the gradient of k1 = log π_θ − log q "
+                     "is ∇log π_θ, which is zero in expectation and does not depend on q (no "
+                     "signal toward q). Use 'k2' (gradient of the reverse KL(π_θ‖q)) or 'k3' "
+                     "(gradient of the forward KL(q‖π_θ)); k1 is only a metric")
+
+
 def kl_estimate(logp: jax.Array, other_logp: jax.Array, estimator: str) -> jax.Array:
   """Per-token k1/k2/k3 with x = other_logp − logp; elementwise, any shape."""
   return KL_ESTIMATORS.get(estimator)(other_logp - logp)
@@ -55,16 +79,24 @@ def batch_field(batch: TrainBatch, field: str, why: str) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class KLConfig:
   """Standalone sampled-token KL loss."""
-  estimator: str = "k3"                 # "k1" | "k2" | "k3" (see module docstring)
+  estimator: Optional[str] = None       # "k2" | "k3"; None = k2 against "teacher", else k3
   against: str = "ref"                  # q's batch field: "ref" | "teacher" | "old" | "behaviour"
   aggregation: str = "token_mean"       # a name in losses.aggregation.AGGREGATIONS
   max_len: Optional[int] = None         # L_max, only for aggregation "seq_mean_token_sum_norm"
 
   def __post_init__(self):
-    KL_ESTIMATORS.get(self.estimator)
+    if self.estimator is not None:
+      check_loss_estimator(self.estimator, "KLConfig.estimator")
     if self.against not in _AGAINST_FIELDS:
       raise ValueError(f"KLConfig.against is {self.against!r}; valid: {sorted(_AGAINST_FIELDS)}")
     agg.validate_aggregation(self.aggregation, self.max_len)
+
+  @property
+  def resolved_estimator(self) -> str:
+    """The estimator in use: `estimator`, or the default for `against` (module docstring)."""
+    if self.estimator is not None:
+      return self.estimator
+    return "k2" if self.against == "teacher" else "k3"
 
 
 def kl_inputs(cfg: KLConfig) -> tuple[str, ...]:
@@ -88,8 +120,8 @@ def kl_token_terms(batch: TrainBatch, cfg: KLConfig) -> KLTerms:
 def kl_token_loss(logp: jax.Array, terms: KLTerms, cfg: KLConfig) -> jax.Array:
   live = terms.weight_bt != 0
   logp = jnp.where(live, logp, terms.other_logp_bt)   # padding may hold any value
-  return jnp.where(live, terms.weight_bt * kl_estimate(logp, terms.other_logp_bt, cfg.estimator),
-                   0.0)
+  return jnp.where(live, terms.weight_bt * kl_estimate(logp, terms.other_logp_bt,
+                                                      cfg.resolved_estimator), 0.0)
 
 
 @register_loss("kl", KLConfig, inputs=kl_inputs, token_terms=kl_token_terms,
