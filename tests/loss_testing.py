@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posttrain_jax.losses import get_loss
+from posttrain_jax.losses import CORRECTIONS, get_loss
 from posttrain_jax.types import TrainBatch, np_batch
 
 PAD_LOGP = np.nan   # what the learner's logp holds on padding: the losses must ignore it
@@ -162,13 +162,6 @@ def _assert_same(a, b, rtol, atol, what):
     np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=f"{what}: gradient")
 
 
-def two_rows(seqs: Sequence[Seq]) -> Layout:
-  """All sequences packed into 2 rows of 3 · FLAT_LEN (fixed shape for N_SEQS sequences)."""
-  half = (len(seqs) + 1) // 2
-  return layout(seqs, [list(range(half)), list(range(half, len(seqs)))], 3 * FLAT_LEN,
-                extra_seq_slots=1)
-
-
 def check_invariances(name, cfg, seqs, split: int = 3, row_len: int = PACK_LEN, *,
                       fields=("old", "beh", "ref", "teacher"), microbatch: bool = True,
                       rtol=1e-5, atol=1e-6):
@@ -227,22 +220,37 @@ def _separable_outputs(logp_bt, batch, name, cfg):
   return l1, g1, l2, g2, jac, spec.token_loss(finite.ravel(), flat_terms, cfg), ell(finite.ravel())
 
 
-def check_separable(name, cfg, lay: Layout, logp_bt, *, rtol=1e-6, atol=1e-7):
-  """loss == Σ token_loss(logp, token_terms(batch)), same gradient, token_loss elementwise.
+def check_separable(name, cfg, seqs: Sequence[Seq], *,
+                    fields: Sequence[str] = ("old", "beh", "ref", "teacher"),
+                    rtol=1e-10, atol=1e-13):
+  """The separable form against the float64 NumPy reference of the loss, token_loss elementwise.
 
-  Elementwise: the Jacobian of token_loss w.r.t. logp is diagonal (NaN padding replaced, as
-  jacfwd pushes tangents through every position), and token_loss works on any shape.
+  Σ token_loss(logp, token_terms(batch)), the form whose gradient the fused kernel computes,
+  and spec.fn are each compared with `ref_loss` (value and per-token gradient), in float64 on
+  a packed layout (two rows, a spare sequence slot). Elementwise: the Jacobian of token_loss
+  w.r.t. logp is diagonal (NaN padding replaced, as jacfwd pushes tangents through every
+  position), and token_loss works on any shape. Fields not in `fields` are None in the batch;
+  without "old" the reference is the on-policy loss (π_old = π_θ).
   """
   assert get_loss(name).separable
-  l1, g1, l2, g2, jac, ell_flat, ell = _separable_outputs(jnp.asarray(logp_bt), lay.batch,
-                                                          name, cfg)
-  np.testing.assert_allclose(l1, l2, rtol=rtol, atol=atol)
-  np.testing.assert_allclose(g1, g2, rtol=rtol, atol=atol)
-  assert np.abs(np.asarray(g1)).max() > 0
+  ref_seqs = seqs if "old" in fields else [dataclasses.replace(s, old=s.logp.copy())
+                                           for s in seqs]
+  want, want_grad = ref_loss(name, cfg, ref_seqs)
+  half = (len(seqs) + 1) // 2
+  with jax.enable_x64(True):
+    lay = layout(seqs, [list(range(half)), list(range(half, len(seqs)))], 3 * FLAT_LEN,
+                 extra_seq_slots=1, fields=fields, dtype=np.float64)
+    logp_bt = jnp.asarray(to_bt(lay, [s.logp for s in seqs], dtype=np.float64))
+    l1, g1, l2, g2, jac, ell_flat, ell = _separable_outputs(logp_bt, lay.batch, name, cfg)
+  for what, loss, grad in (("Σ token_loss", l2, g2), ("spec.fn", l1, g1)):
+    np.testing.assert_allclose(float(loss), want, rtol=rtol, atol=atol, err_msg=what)
+    for g, w in zip(from_bt(lay, grad, seqs), want_grad):
+      np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=f"{what}: gradient")
+  assert max(np.abs(w).max() for w in want_grad) > 0, "a zero gradient checks nothing"
   jac = np.asarray(jac)
   np.testing.assert_array_equal(jac - np.diag(np.diag(jac)), 0.0)
-  np.testing.assert_allclose(ell_flat, ell, rtol=1e-6, atol=1e-9)   # any shape
-  return float(l1)
+  np.testing.assert_allclose(ell_flat, ell, rtol=1e-12, atol=1e-15)   # any shape
+  return float(l2)
 
 
 # ---------------------------------------------------------------- float64 NumPy references
@@ -395,3 +403,38 @@ def ref_gspo(seqs, *, eps_low=3e-4, eps_high=4e-4, kl_coef=0.0, kl_estimator="k3
           g[t] += kl_coef * dk / length / n
     grads.append(g)
   return loss, grads
+
+
+def ref_loss(name, cfg, seqs):
+  """The float64 reference of any separable registered loss under its library config.
+
+  Only parameter values are read from `cfg` (and the correction's config); every formula is
+  one of the loops above. Returns (loss, [grad per seq]).
+  """
+  if name == "sft":
+    w = ref_agg_weights(seqs, cfg.aggregation, cfg.max_len)
+    return sum(float(np.sum(-wi * s.logp * s.mask)) for wi, s in zip(w, seqs)), \
+        [-wi for wi in w]
+  if name == "kl":
+    attr = {"ref": "ref", "teacher": "teacher", "old": "old", "behaviour": "beh"}[cfg.against]
+    w = ref_agg_weights(seqs, cfg.aggregation, cfg.max_len)
+    loss, grads = 0.0, []
+    for wi, s in zip(w, seqs):
+      g = np.zeros(len(s))
+      for t in range(len(s)):
+        if s.mask[t]:
+          k, dk = ref_kl(getattr(s, attr)[t] - s.logp[t], cfg.resolved_estimator)
+          loss += wi[t] * k
+          g[t] = wi[t] * dk
+      grads.append(g)
+    return loss, grads
+  kw = {k: v for k, v in dataclasses.asdict(cfg).items()
+        if k not in ("correction", "correction_cfg")}
+  if name in ("grpo", "cispo"):
+    corr = None
+    if cfg.correction != "none":
+      params = (dataclasses.asdict(cfg.correction_cfg) if cfg.correction_cfg is not None
+                else dataclasses.asdict(CORRECTIONS.get(cfg.correction).config_cls()))
+      corr = ref_correction(seqs, cfg.correction, **params)
+    return ref_pg(seqs, name, corr=corr, **kw)
+  raise ValueError(f"no float64 reference for loss {name!r}")

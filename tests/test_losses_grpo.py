@@ -1,13 +1,12 @@
 """grpo (PPO-clip, dual-clip, aggregations, KL term), cispo and gspo."""
-import dataclasses
 
 import jax
 import numpy as np
 import pytest
 
 from tests.loss_testing import (Seq, check_invariances, check_separable, from_bt, layout,
-                          loss_value_and_grad, one_per_row, two_rows,
-                          random_seqs, ref_correction, ref_gspo, ref_pg, to_bt)
+                                loss_value_and_grad, one_per_row, random_seqs, ref_gspo,
+                                ref_loss, to_bt)
 from posttrain_jax.losses import CISPOConfig, GRPOConfig, GSPOConfig, TISConfig
 
 
@@ -137,16 +136,6 @@ PG_CASES = [
 ]
 
 
-def _ref_kwargs(cfg, seqs):
-  kw = {k: v for k, v in dataclasses.asdict(cfg).items()
-        if k not in ("correction", "correction_cfg")}
-  if cfg.correction == "tis":
-    kw["corr"] = ref_correction(seqs, "tis", cap=2.0)
-  elif cfg.correction == "mis":
-    kw["corr"] = ref_correction(seqs, "mis", low=0.5, high=2.0)
-  return kw
-
-
 @pytest.mark.parametrize("kind, cls", [("grpo", GRPOConfig), ("cispo", CISPOConfig)])
 @pytest.mark.parametrize("case", range(len(PG_CASES)))
 def test_pg_matches_numpy_reference(kind, cls, case):
@@ -155,7 +144,7 @@ def test_pg_matches_numpy_reference(kind, cls, case):
     kw.pop("dual_clip_c", None)
   cfg = cls(**kw)
   seqs = random_seqs(np.random.default_rng(10 + case), spread=0.5)
-  want, want_grad = ref_pg(seqs, kind, **_ref_kwargs(cfg, seqs))
+  want, want_grad = ref_loss(kind, cfg, seqs)
   with jax.enable_x64(True):
     lay = layout(seqs, one_per_row(seqs), dtype=np.float64)
     loss, _, grad = loss_value_and_grad(kind, cfg, lay,
@@ -169,15 +158,24 @@ def test_pg_matches_numpy_reference(kind, cls, case):
     (dict(), 5e-4),
     (dict(kl_coef=0.2, kl_estimator="k3", eps_low=0.05, eps_high=0.05), 0.1)])
 def test_gspo_matches_numpy_reference(kw, spread):
-  seqs = random_seqs(np.random.default_rng(20), spread=spread)
+  seqs = random_seqs(np.random.default_rng(39), spread=spread)
   cfg = GSPOConfig(**kw)
   want, want_grad = ref_gspo(seqs, **kw)
   with jax.enable_x64(True):
     lay = layout(seqs, one_per_row(seqs), dtype=np.float64)
     loss, metrics, grad = loss_value_and_grad(
         "gspo", cfg, lay, to_bt(lay, [s.logp for s in seqs], dtype=np.float64))
-  clipped = float(metrics["clip_frac_low"][0] + metrics["clip_frac_high"][0])
-  assert 0 < clipped < 8, "the case should clip some sequences and not others"
+  # Which sequences the clip removes, counted independently from the sequences' own numbers:
+  # clipped below if s_i < 1 − ε_low with A < 0, above if s_i > 1 + ε_high with A > 0. The
+  # case (seed 39, both spreads) has one of each, and a sequence outside the range whose
+  # advantage sign keeps its gradient (not counted), and sequences inside the range.
+  ratio = np.array([np.exp(np.mean((s.logp - s.old)[s.mask > 0])) for s in seqs])
+  adv = np.array([s.adv for s in seqs])
+  low, high = ratio < 1 - cfg.eps_low, ratio > 1 + cfg.eps_high
+  assert np.sum(low & (adv < 0)) == 1 and np.sum(high & (adv > 0)) == 1
+  assert np.sum((low & (adv > 0)) | (high & (adv < 0))) >= 1 and np.sum(~low & ~high) >= 1
+  np.testing.assert_array_equal(metrics["clip_frac_low"], (1.0, len(seqs)))
+  np.testing.assert_array_equal(metrics["clip_frac_high"], (1.0, len(seqs)))
   np.testing.assert_allclose(float(loss), want, rtol=1e-10)
   for g, w in zip(from_bt(lay, grad, seqs), want_grad):
     np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-14)
@@ -204,16 +202,13 @@ def test_packed_equals_unpacked_and_microbatched_equals_full(name, cfg):
 
 @pytest.mark.parametrize("name, cfg", [c for c in INV_CASES if c[0] != "gspo"])
 def test_separable_form(name, cfg):
-  seqs = random_seqs(np.random.default_rng(32), spread=0.5)
-  lay = two_rows(seqs)
-  check_separable(name, cfg, lay, to_bt(lay, [s.logp for s in seqs]))
+  check_separable(name, cfg, random_seqs(np.random.default_rng(32), spread=0.5))
 
 
 def test_separable_form_on_policy():
   """old_logp None: token_terms leaves the base None and token_loss uses sg(logp)."""
-  seqs = random_seqs(np.random.default_rng(33))
-  lay = layout(seqs, [[0, 1, 2], [3, 4, 5]], 3 * 8, fields=("ref",))
-  check_separable("grpo", GRPOConfig(kl_coef=0.1), lay, to_bt(lay, [s.logp for s in seqs]))
+  check_separable("grpo", GRPOConfig(kl_coef=0.1), random_seqs(np.random.default_rng(33)),
+                  fields=("ref",))
 
 
 def test_grpo_config_errors():
