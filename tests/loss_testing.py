@@ -294,7 +294,7 @@ def ref_correction(seqs, name, **p) -> list[np.ndarray]:
   """Per-token correction weights c_t from ρ_t = exp(old − beh) (0 on unsampled tokens)."""
   rho = [np.where(s.mask > 0, np.exp(s.old - s.beh), 0.0) for s in seqs]
   out = []
-  if name == "m2po":
+  if name == "m2po_mask":
     d = [((s.old[t] - s.beh[t]) ** 2, i, t) for i, s in enumerate(seqs)
          for t in range(len(s)) if s.mask[t]]
     d.sort(key=lambda x: -x[0])
@@ -405,6 +405,29 @@ def ref_gspo(seqs, *, eps_low=3e-4, eps_high=4e-4, kl_coef=0.0, kl_estimator="k3
   return loss, grads
 
 
+def ref_m2po(seqs, *, tau=0.04, ratio_base="behaviour", aggregation="token_mean", max_len=None,
+             kl_coef=0.0, kl_estimator="k3"):
+  """M2PO, the paper's form: ℓ_t = −M_t·r_t·A (no clip), r_t = exp(logp − base); (loss, grads)."""
+  keep = ref_correction(seqs, "m2po_mask", tau=tau)
+  weights = ref_agg_weights(seqs, aggregation, max_len)
+  loss, grads = 0.0, []
+  for i, s in enumerate(seqs):
+    g = np.zeros(len(s))
+    for t in range(len(s)):
+      if not s.mask[t]:
+        continue
+      base = s.beh[t] if ratio_base == "behaviour" else s.old[t]
+      r = np.exp(s.logp[t] - base)
+      ell, d = -keep[i][t] * r * s.adv, -keep[i][t] * r * s.adv
+      if kl_coef:
+        k, dk = ref_kl(s.ref[t] - s.logp[t], kl_estimator)
+        ell, d = ell + kl_coef * k, d + kl_coef * dk
+      loss += weights[i][t] * ell
+      g[t] = weights[i][t] * d
+    grads.append(g)
+  return loss, grads
+
+
 def ref_loss(name, cfg, seqs):
   """The float64 reference of any separable registered loss under its library config.
 
@@ -430,6 +453,8 @@ def ref_loss(name, cfg, seqs):
     return loss, grads
   kw = {k: v for k, v in dataclasses.asdict(cfg).items()
         if k not in ("correction", "correction_cfg")}
+  if name == "m2po":
+    return ref_m2po(seqs, **kw)
   if name in ("grpo", "cispo"):
     corr = None
     if cfg.correction != "none":

@@ -8,7 +8,8 @@ import pytest
 
 from tests.loss_testing import layout, loss_value_and_grad, one_per_row, random_seqs, to_bt
 from posttrain_jax.losses import (LOSSES, CISPOConfig, GRPOConfig, GSPOConfig, KLConfig,
-                                  LossSpec, M2POConfig, SFTConfig, get_loss, register_loss)
+                                  LossSpec, M2POConfig, M2POMaskConfig, SFTConfig, get_loss,
+                                  register_loss)
 from posttrain_jax.losses.base import OPTIONAL_FIELDS
 
 OLD, BEH, REF, TEA = "old_logp", "behaviour_logp", "ref_logp", "teacher_logp"
@@ -26,13 +27,15 @@ CASES = [
     ("grpo", GRPOConfig(kl_estimator="k1"), set()),        # k1 for the metric only
     ("grpo", GRPOConfig(kl_coef=0.1), {REF}),
     ("grpo", GRPOConfig(correction="tis"), {OLD, BEH}),
-    ("grpo", GRPOConfig(kl_coef=0.1, kl_estimator="k2", correction="m2po",
-                        correction_cfg=M2POConfig(tau=0.1)), {OLD, BEH, REF}),
+    ("grpo", GRPOConfig(kl_coef=0.1, kl_estimator="k2", correction="m2po_mask",
+                        correction_cfg=M2POMaskConfig(tau=0.1)), {OLD, BEH, REF}),
     ("cispo", CISPOConfig(), set()),
     ("cispo", CISPOConfig(ratio_base="behaviour"), {BEH}),
     ("cispo", CISPOConfig(kl_coef=0.05, correction="icepop"), {OLD, BEH, REF}),
     ("gspo", GSPOConfig(eps_low=0.05, eps_high=0.05), set()),
     ("gspo", GSPOConfig(eps_low=0.05, eps_high=0.05, kl_coef=0.1), {REF}),
+    ("m2po", M2POConfig(tau=0.1), {OLD, BEH}),
+    ("m2po", M2POConfig(tau=0.1, ratio_base="old", kl_coef=0.1), {OLD, BEH, REF}),
 ]
 
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from tests.loss_testing import Seq, layout, loss_value_and_grad, one_per_row, to_bt
-from posttrain_jax.losses import CISPOConfig, GRPOConfig, GSPOConfig, KLConfig, kl_estimate
+from posttrain_jax.losses import (CISPOConfig, GRPOConfig, GSPOConfig, KLConfig, M2POConfig,
+                                  kl_estimate)
 
 V = 7
 
@@ -129,7 +130,7 @@ def test_estimator_values(case):
 def test_k1_is_refused_as_a_loss_term():
   with pytest.raises(ValueError, match="KLConfig.estimator='k1' cannot be a loss term"):
     KLConfig(estimator="k1")
-  for cls in (GRPOConfig, CISPOConfig, GSPOConfig):
+  for cls in (GRPOConfig, CISPOConfig, GSPOConfig, M2POConfig):
     with pytest.raises(ValueError, match=f"{cls.__name__}.kl_estimator.*'k1' cannot be a loss"):
       cls(kl_coef=0.1, kl_estimator="k1")
     cls(kl_estimator="k1")   # kl_coef = 0: only the `kl` metric uses it
@@ -151,5 +152,5 @@ def test_default_estimators():
   assert KLConfig().resolved_estimator == "k3"                    # reference: as before
   assert KLConfig(against="old").resolved_estimator == "k3"
   assert KLConfig(estimator="k3", against="teacher").resolved_estimator == "k3"
-  for cls in (GRPOConfig, CISPOConfig, GSPOConfig):
+  for cls in (GRPOConfig, CISPOConfig, GSPOConfig, M2POConfig):
     assert cls().kl_estimator == "k3"                             # GRPO's reference KL

@@ -148,13 +148,13 @@ def test_empty_batch_is_zero_with_zero_count():
 def test_unknown_loss_lists_registered_names():
   with pytest.raises(KeyError) as e:
     get_loss("gpro")
-  for name in ["cispo", "grpo", "gspo", "kl", "sft"]:
+  for name in ["cispo", "grpo", "gspo", "kl", "m2po", "sft"]:
     assert name in str(e.value)
-  assert set(LOSSES.names()) >= {"cispo", "grpo", "gspo", "kl", "sft"}
+  assert set(LOSSES.names()) >= {"cispo", "grpo", "gspo", "kl", "m2po", "sft"}
 
 
 def test_specs_declare_separability_and_config():
-  for name in ["sft", "kl", "grpo", "cispo"]:
+  for name in ["sft", "kl", "grpo", "cispo", "m2po"]:
     assert get_loss(name).separable, name
   assert not get_loss("gspo").separable
   assert get_loss("sft").config_cls is SFTConfig and get_loss("kl").config_cls is KLConfig

@@ -7,8 +7,8 @@ from tests.loss_testing import (Seq, check_invariances, check_separable, from_bt
                                 loss_value_and_grad, one_per_row, random_seqs, ref_correction,
                                 ref_pg, to_bt)
 from posttrain_jax.losses import (CORRECTIONS, CISPOConfig, DecoupledConfig, GeoMaskConfig,
-                                  GRPOConfig, IcePopConfig, M2POConfig, MISConfig, SeqTISConfig,
-                                  TISConfig, get_loss)
+                                  GRPOConfig, IcePopConfig, M2POMaskConfig, MISConfig,
+                                  SeqTISConfig, TISConfig, get_loss)
 from posttrain_jax.losses import off_policy
 
 
@@ -52,9 +52,9 @@ HAND_CASES = [
     ("decoupled", DecoupledConfig(cap=2.5), [0.3, 1, 0, 1.5, 0.4], 0, 1),
     # d = (log ρ)² = 1.4496, 0, 1.2069 | 0.1644, 0.8396; mean 0.732 ≥ τ → drop 1.4496 (0.552),
     # 1.2069 (0.335), 0.8396 → rest {0, 0.1644} has mean 0.0822 < 0.1: stop.
-    ("m2po", M2POConfig(tau=0.1), [0, 1, 0, 1, 0], 0, 3),
+    ("m2po_mask", M2POMaskConfig(tau=0.1), [0, 1, 0, 1, 0], 0, 3),
     # With τ = 0.04 one more goes: only ρ = 1 stays.
-    ("m2po", M2POConfig(), [0, 1, 0, 0, 0], 0, 4),
+    ("m2po_mask", M2POMaskConfig(), [0, 1, 0, 0, 0], 0, 4),
 ]
 
 
@@ -131,7 +131,7 @@ REF_CASES = [
     ("icepop", IcePopConfig(low=0.7, high=1.5), dict(low=0.7, high=1.5)),
     ("geo_mask", GeoMaskConfig(low=0.9, high=1.1), dict(low=0.9, high=1.1)),
     ("decoupled", DecoupledConfig(cap=1.5), dict(cap=1.5)),
-    ("m2po", M2POConfig(tau=0.04), dict(tau=0.04)),
+    ("m2po_mask", M2POMaskConfig(tau=0.04), dict(tau=0.04)),
 ]
 
 
@@ -143,7 +143,7 @@ def test_correction_matches_numpy_reference(name, cfg, params):
   mask = np.concatenate([s.mask for s in seqs]) > 0
   rho = np.concatenate([np.exp(s.old - s.beh) for s in seqs])[mask]
   assert np.any(~np.isclose(flat[mask], rho)) and np.any(flat[mask] > 0), "rule never triggers"
-  if name in ("geo_mask", "m2po"):
+  if name in ("geo_mask", "m2po_mask"):
     assert set(flat[mask]) == {0.0, 1.0}
   with jax.enable_x64(True):
     lay = layout(seqs, one_per_row(seqs), dtype=np.float64)
@@ -162,22 +162,22 @@ def test_correction_matches_numpy_reference(name, cfg, params):
 
 @pytest.mark.parametrize("name, cfg, params", REF_CASES)
 def test_invariances_with_correction(name, cfg, params):
-  """m2po's mask is a statistic of the whole call: packed == unpacked holds, micro-batching
+  """m2po_mask is a statistic of the whole call: packed == unpacked holds, micro-batching
   changes it by design (see losses/off_policy.py), so only the layout check runs for it."""
   seqs = random_seqs(np.random.default_rng(41), spread=0.3)
   check_invariances("grpo", GRPOConfig(correction=name, correction_cfg=cfg), seqs, split=3,
-                    microbatch=name != "m2po")
+                    microbatch=name != "m2po_mask")
 
 
 def test_m2po_mask_is_per_call():
   """Micro-batches each get their own second-moment mask (documented); here it differs."""
   seqs = random_seqs(np.random.default_rng(42), spread=0.3)
-  full = np.concatenate(_terms("m2po", M2POConfig(), seqs)[0])
-  parts = np.concatenate([np.concatenate(_terms("m2po", M2POConfig(), p)[0])
+  full = np.concatenate(_terms("m2po_mask", M2POMaskConfig(), seqs)[0])
+  parts = np.concatenate([np.concatenate(_terms("m2po_mask", M2POMaskConfig(), p)[0])
                           for p in (seqs[:3], seqs[3:])])
   assert not np.array_equal(full, parts)
   for p in (seqs[:3], seqs[3:], seqs):     # in every call the kept tokens meet the bound
-    w = np.concatenate(_terms("m2po", M2POConfig(), p)[0])
+    w = np.concatenate(_terms("m2po_mask", M2POMaskConfig(), p)[0])
     d = np.concatenate([(s.old - s.beh) ** 2 for s in p])[np.concatenate([s.mask for s in p]) > 0]
     kept = w[np.concatenate([s.mask for s in p]) > 0] > 0
     assert d[kept].mean() < 0.04 and (kept.sum() == 0 or d[~kept].min() >= d[kept].max())
@@ -195,10 +195,15 @@ def test_separable_with_correction(name, cfg, params):
 def test_unknown_correction_lists_registered_names():
   with pytest.raises(KeyError) as e:
     GRPOConfig(correction="tiss")
-  for name in ["decoupled", "geo_mask", "icepop", "m2po", "mis", "none", "seq_tis", "tis"]:
+  for name in ["decoupled", "geo_mask", "icepop", "m2po_mask", "mis", "none", "seq_tis", "tis"]:
     assert name in str(e.value)
-  assert set(CORRECTIONS.names()) == {"decoupled", "geo_mask", "icepop", "m2po", "mis", "none",
-                                      "seq_tis", "tis"}
+  assert set(CORRECTIONS.names()) == {"decoupled", "geo_mask", "icepop", "m2po_mask", "mis",
+                                      "none", "seq_tis", "tis"}
+
+
+def test_old_correction_name_m2po_points_to_both_forms():
+  with pytest.raises(ValueError, match="loss 'm2po'.*correction 'm2po_mask'"):
+    GRPOConfig(correction="m2po")
 
 
 def test_wrong_correction_config_type_is_named():

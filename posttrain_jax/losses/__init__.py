@@ -7,16 +7,17 @@ Separable losses also give `spec.token_terms` / `spec.token_loss` (see losses/ba
 from posttrain_jax.losses.base import LOSSES, LossSpec, get_loss, register_loss, weighted
 from posttrain_jax.losses import aggregation, kl, off_policy, sft, grpo  # noqa: F401  (registers)
 from posttrain_jax.losses.aggregation import AGGREGATIONS
-from posttrain_jax.losses.grpo import CISPOConfig, GRPOConfig, GSPOConfig, PGTerms
+from posttrain_jax.losses.grpo import CISPOConfig, GRPOConfig, GSPOConfig, M2POConfig, PGTerms
 from posttrain_jax.losses.kl import KL_ESTIMATORS, KLConfig, kl_estimate
 from posttrain_jax.losses.off_policy import (
-    CORRECTIONS, CorrectionTerms, DecoupledConfig, GeoMaskConfig, IcePopConfig, M2POConfig,
+    CORRECTIONS, CorrectionTerms, DecoupledConfig, GeoMaskConfig, IcePopConfig, M2POMaskConfig,
     MISConfig, NoCorrection, SeqTISConfig, TISConfig)
 from posttrain_jax.losses.sft import SFTConfig
 
 __all__ = [
     "AGGREGATIONS", "CORRECTIONS", "CISPOConfig", "CorrectionTerms", "DecoupledConfig",
     "GRPOConfig", "GSPOConfig", "GeoMaskConfig", "IcePopConfig", "KLConfig", "KL_ESTIMATORS",
-    "LOSSES", "LossSpec", "M2POConfig", "MISConfig", "NoCorrection", "PGTerms", "SFTConfig",
-    "SeqTISConfig", "TISConfig", "get_loss", "kl_estimate", "register_loss", "weighted",
+    "LOSSES", "LossSpec", "M2POConfig", "M2POMaskConfig", "MISConfig", "NoCorrection", "PGTerms",
+    "SFTConfig", "SeqTISConfig", "TISConfig", "get_loss", "kl_estimate", "register_loss",
+    "weighted",
 ]

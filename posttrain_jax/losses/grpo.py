@@ -1,4 +1,4 @@
-"""The GRPO family: PPO-clip per token (GRPO / DAPO / Dr.GRPO), CISPO, and GSPO.
+"""The GRPO family: PPO-clip per token (GRPO / DAPO / Dr.GRPO), CISPO, GSPO and M2PO.
 
 With r_t = π_θ(y_t)/π_old(y_t) = exp(log π_θ − log π_old), A_t the advantage, c_t an off-policy
 correction weight (losses/off_policy.py, stop-gradient, 1 by default) and w_t the aggregation
@@ -10,7 +10,11 @@ weight (losses/aggregation.py):
          dual-clip (Ye et al. 2020), for A_t < 0: ℓ_t ← min(ℓ_t, −c·A_t), c = 3 when enabled
   cispo  ℓ_t = −A_t · sg(clip(r_t, 1−ε_low, 1+ε_high)) · log π_θ(y_t)  (MiniMax-M1 2025;
                                                                     NeMo-RL defaults ε = 1, 5)
-  both   loss = Σ_t w_t (c_t ℓ_t + β · k(log π_ref − log π_θ))       KL to a frozen reference,
+  m2po   ℓ_t = −M_t · r^μ_t · A_t, r^μ_t = π_θ(y_t)/μ(y_t), NO ε-clip  M2PO ("Prosperity before
+                                                                    Collapse", Zheng et al. 2025)
+         M_t ∈ {0, 1}: drop the sampled tokens with the largest (log π_old − log μ)², largest
+         first, until the mean over the tokens left is < τ = 0.04 (a statistic of the call)
+  all    loss = Σ_t w_t (c_t ℓ_t + β · k(log π_ref − log π_θ))       KL to a frozen reference,
                                                                     k ∈ {k2, k3} (losses/kl.py)
   gspo   s_i = exp(mean_{t∈i} log r_t),  ℓ_i = −min(s_i A_i, clip(s_i, 1−ε_low, 1+ε_high) A_i),
          loss = (1/n) Σ_i ℓ_i + β · KL (sequence-mean of token-means)  (GSPO, Qwen 2025;
@@ -21,24 +25,32 @@ gradient of the *forward* KL(π_ref‖π_θ) although its value estimates KL(π_
 the reverse-KL gradient; k1 gives no signal toward π_ref and is refused when kl_coef > 0
 (with kl_coef = 0 the estimator only sets the `kl` metric, and k1 is allowed there).
 
-grpo and cispo are separable: `token_terms(batch, cfg)` holds w_t, A_t, c_t, the ratio's
-base log-prob and log π_ref as constants, `token_loss(logp, terms, cfg)` is elementwise in
-logp, and the loss function is literally Σ token_loss. When `batch.old_logp` is None (and
-nothing needs it) the update is on-policy: π_old = stop_gradient(π_θ), r_t = 1 with gradient
-∇log π_θ (token_terms leaves the base None and token_loss uses stop_gradient(logp)). Batch
-inputs (`LossSpec.needs`, losses/base.py): ref_logp iff kl_coef > 0; old_logp and
-behaviour_logp iff the correction reads them (every one but "none"); behaviour_logp for
-cispo's ratio_base="behaviour". A needed field that is None raises on both paths; nothing is
-filled in for it.
+M2PO, two forms: the loss "m2po" is the paper's method (the mask *replaces* the PPO clip,
+J = Σ M·r·A / Σ|o|, with r the ratio to the policy that sampled, μ, whose second moment the
+mask bounds; `ratio_base="old"` takes r = π_θ/π_old instead). The correction "m2po_mask"
+(losses/off_policy.py) is a hybrid: grpo's PPO-clip term, ε-clip kept, times the same mask.
+
+grpo, cispo and m2po are separable: `token_terms(batch, cfg)` holds w_t, A_t, c_t, the
+ratio's base log-prob and log π_ref as constants, `token_loss(logp, terms, cfg)` is
+elementwise in logp, and the loss function is literally Σ token_loss. When `batch.old_logp`
+is None (and nothing needs it) the update is on-policy: π_old = stop_gradient(π_θ), r_t = 1
+with gradient ∇log π_θ (token_terms leaves the base None and token_loss uses
+stop_gradient(logp)). Batch inputs (`LossSpec.needs`, losses/base.py): ref_logp iff
+kl_coef > 0; old_logp and behaviour_logp iff the correction reads them (every one but "none");
+behaviour_logp for cispo's ratio_base="behaviour"; both for m2po. A needed field that is None
+raises on both paths; nothing is filled in for it.
 
 Simplifications: the advantage is whatever the batch carries per token (GSPO averages it over
 the sequence's sampled tokens, which equals A_i for the usual broadcast advantage); GSPO takes
 no off-policy correction yet (its loss is per sequence and the corrections give per-token
 weights) and its KL term is aggregated per sequence like its policy term; a correction never
-weights the KL term. Metrics (weighted pairs): loss, pg_loss, clip_frac_low / clip_frac_high (tokens, or
+weights the KL term. M2PO's second moment uses log π_old for log π_θ (the value before the
+update; the paper recomputes it at every step), and the mask is per call, so micro-batching
+changes it. Metrics (weighted pairs): loss, pg_loss, clip_frac_low / clip_frac_high (tokens, or
 sequences for GSPO, where the clip removed the gradient), dual_clip_frac, ratio_mean, kl (token
-mean of the chosen estimator, whenever batch.ref_logp is given), nll (mean −log π_θ), and the
-correction/* metrics of losses/off_policy.py.
+mean of the chosen estimator, whenever batch.ref_logp is given), nll (mean −log π_θ), the
+correction/* metrics of losses/off_policy.py, and for m2po: m2po/second_moment (mean
+(log π_old − log μ)² over sampled tokens) and m2po/second_moment_kept (over the kept ones).
 """
 from __future__ import annotations
 
@@ -130,14 +142,33 @@ class GSPOConfig:
     _validate_kl(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class M2POConfig:
+  """M2PO: the second-moment token mask in place of the PPO ε-clip (the paper's method)."""
+  tau: float = 0.04                     # τ: drop largest (log π_old − log μ)² until mean < τ
+  ratio_base: str = "behaviour"         # r_t = π_θ / μ ("behaviour", the paper) or / π_old ("old")
+  aggregation: str = "token_mean"       # token_mean is the paper's 1 / Σ|o_i|
+  max_len: Optional[int] = None         # L_max of Dr.GRPO; needed by seq_mean_token_sum_norm
+  kl_coef: float = 0.0                  # β of the KL-to-reference term (none in the paper)
+  kl_estimator: str = "k3"              # as GRPOConfig.kl_estimator (k1 only with kl_coef = 0)
+
+  def __post_init__(self):
+    if not self.tau > 0:
+      raise ValueError(f"M2POConfig.tau must be > 0, got {self.tau}")
+    if self.ratio_base not in ("old", "behaviour"):
+      raise ValueError(f"M2POConfig.ratio_base is {self.ratio_base!r}; valid: 'old', 'behaviour'")
+    agg.validate_aggregation(self.aggregation, self.max_len)
+    _validate_kl(self)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PGTerms:
-  """Per-token constants of grpo / cispo, all [B, T] and stop-gradient."""
+  """Per-token constants of grpo / cispo / m2po, all [B, T] and stop-gradient."""
   weight_bt: jax.Array                  # aggregation weight w_t, mask included
   adv_bt: jax.Array                     # A_t
-  corr_bt: jax.Array                    # off-policy weight c_t
-  base_logp_bt: Optional[jax.Array]     # log π_old (or log μ for cispo/behaviour); None = sg(logp)
+  corr_bt: jax.Array                    # off-policy weight c_t (m2po: the 0/1 mask M_t)
+  base_logp_bt: Optional[jax.Array]     # log π_old (or log μ: ratio_base="behaviour"); None = sg
   ref_logp_bt: Optional[jax.Array]      # log π_ref; None when kl_coef == 0
 
 
@@ -330,4 +361,67 @@ def gspo_loss(logp_bt: jax.Array, batch: TrainBatch, cfg: GSPOConfig):
     metrics["kl"] = agg.token_mean_metric(
         kl_estimate(sg_logp, jnp.where(live, batch.ref_logp, sg_logp), cfg.kl_estimator), batch)
   metrics.update(off_policy.correction_metrics(sg_logp, batch, None))
+  return loss, metrics
+
+
+# ------------------------------------------------------------------ m2po
+
+def _m2po_base(cfg: M2POConfig) -> str:
+  return "old_logp" if cfg.ratio_base == "old" else "behaviour_logp"
+
+
+def m2po_inputs(cfg: M2POConfig) -> set[str]:
+  return {"old_logp", "behaviour_logp"} | ({"ref_logp"} if cfg.kl_coef > 0 else set())
+
+
+def _m2po_parts(batch: TrainBatch, cfg: M2POConfig):
+  """(PGTerms with c_t = M_t, the [B, T] drop mask)."""
+  weight_bt, _ = agg.aggregation_weights(cfg.aggregation, batch, cfg.max_len)
+  for field in ("old_logp", "behaviour_logp"):
+    batch_field(batch, field, "loss 'm2po' (the second-moment mask)")
+  drop = sg(off_policy.second_moment_drop(batch, cfg.tau))
+  keep = jnp.where((batch.loss_mask > 0) & ~drop, 1.0, 0.0)
+  ref = (batch_field(batch, "ref_logp", "loss 'm2po' with kl_coef > 0")
+         if cfg.kl_coef > 0 else None)
+  base = batch_field(batch, _m2po_base(cfg), "loss 'm2po'")
+  return PGTerms(weight_bt, sg(batch.advantages), keep, base, ref), drop
+
+
+def m2po_token_terms(batch: TrainBatch, cfg: M2POConfig) -> PGTerms:
+  return _m2po_parts(batch, cfg)[0]
+
+
+def m2po_token_loss(logp: jax.Array, terms: PGTerms, cfg: M2POConfig) -> jax.Array:
+  live, logp, base = _prepare(logp, terms)
+  ell = terms.corr_bt * (-terms.adv_bt * jnp.exp(logp - base))
+  return _with_kl(ell, logp, live, terms, cfg)
+
+
+@register_loss("m2po", M2POConfig, inputs=m2po_inputs, token_terms=m2po_token_terms,
+               token_loss=m2po_token_loss)
+def m2po_loss(logp_bt: jax.Array, batch: TrainBatch, cfg: M2POConfig):
+  """M2PO loss (mask instead of clip); see the module docstring."""
+  terms, drop = _m2po_parts(batch, cfg)
+  loss = jnp.sum(m2po_token_loss(logp_bt, terms, cfg))
+  _, count = agg.aggregation_weights(cfg.aggregation, batch, cfg.max_len)
+  live, logp, base = _prepare(sg(logp_bt), terms)
+  ratio = jnp.exp(logp - base)
+  pg_loss = jnp.sum(jnp.where(live, terms.weight_bt * terms.corr_bt * -terms.adv_bt * ratio, 0.0))
+  sg_logp = sg(logp_bt)
+  metrics = {"loss": weighted(loss * count, count), "pg_loss": weighted(pg_loss * count, count),
+             "nll": agg.token_mean_metric(-sg_logp, batch),
+             "ratio_mean": agg.token_mean_metric(ratio, batch)}
+  if batch.ref_logp is not None:
+    metrics["kl"] = agg.token_mean_metric(
+        kl_estimate(sg_logp, jnp.where(batch.loss_mask > 0, batch.ref_logp, sg_logp),
+                    cfg.kl_estimator), batch)
+  m = batch.loss_mask
+  d = jnp.where(m > 0, jnp.square(batch.old_logp - batch.behaviour_logp), 0.0)
+  metrics["m2po/second_moment"] = agg.token_mean_metric(d, batch)
+  metrics["m2po/second_moment_kept"] = weighted(jnp.sum(d * terms.corr_bt * m),
+                                                jnp.sum(terms.corr_bt * m))
+  zeros = jnp.zeros_like(m)
+  metrics.update(off_policy.correction_metrics(
+      sg_logp, batch, off_policy.CorrectionTerms(terms.corr_bt, zeros,
+                                                 jnp.where(m > 0, drop, False).astype(m.dtype))))
   return loss, metrics

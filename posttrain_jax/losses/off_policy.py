@@ -20,17 +20,20 @@ weighted). Registered corrections, with their defaults:
                                                               keep all): with the PPO ratio
                                                               u = π_θ/π_prox this is
                                                               E_μ[(π_prox/μ)·min(uA, clip(u)A)]
-    m2po       c_t = 0 for the tokens with the largest        M2PO ("Prosperity before Collapse",
+    m2po_mask  c_t = 0 for the tokens with the largest        M2PO's second-moment mask
+                                                              ("Prosperity before Collapse",
                                                               Zheng et al. 2025); 1 elsewhere
                d_t = (log π_old − log μ)², removed largest first until the mean d of the rest
-               is < τ = 0.04
+               is < τ = 0.04. As a correction it multiplies the PPO-clip term, so the ε-clip
+               stays: a hybrid, *not* the paper's method. M2PO itself replaces the clip with
+               the mask: that is the loss "m2po" (losses/grpo.py).
 
 Everything is computed from batch fields only (`token_terms` time), so a GRPO loss stays
 separable in log π_θ. What we simplified, and why:
 - M2PO's second moment is taken with the value of log π_θ before the update, i.e. log π_old
   (`old_logp` is required). The mask is not elementwise: it is a statistic of all sampled
   tokens *in the call*, so under gradient accumulation each micro-batch gets its own mask
-  (micro-batched ≠ full batch for m2po only).
+  (micro-batched ≠ full batch for m2po_mask and the m2po loss only).
 - Every correction but "none" needs both `old_logp` and `behaviour_logp`, on both loss paths:
   a missing one is an error, never replaced by stop_gradient(logp).
 - `decoupled` masks tokens above the cap (as AReaL's `behav_imp_weight_cap` does) rather than
@@ -134,13 +137,21 @@ class DecoupledConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class M2POConfig:
-  """M2PO second-moment token mask."""
+class M2POMaskConfig:
+  """M2PO's second-moment token mask, applied on top of the PPO clip (see "m2po_mask")."""
   tau: float = 0.04                     # τ: drop largest (log π_old − log μ)² until mean < τ
+
+  def __post_init__(self):
+    if not self.tau > 0:
+      raise ValueError(f"M2POMaskConfig.tau must be > 0, got {self.tau}")
 
 
 def resolve(name: str, cfg: Any) -> tuple[CorrectionSpec, Any]:
   """The spec of `name` and its config (defaults when `cfg` is None); checks the type."""
+  if name == "m2po":
+    raise ValueError("correction 'm2po' was renamed: the M2PO paper's method (mask instead of "
+                     "the ε-clip) is the loss 'm2po' (LearnerConfig.loss='m2po', M2POConfig); "
+                     "the mask on top of the PPO clip is correction 'm2po_mask'")
   spec = CORRECTIONS.get(name)
   if cfg is None:
     return spec, spec.config_cls()
@@ -243,8 +254,12 @@ def _decoupled(batch: TrainBatch, cfg: DecoupledConfig) -> CorrectionTerms:
   return _terms(batch, jnp.where(keep, rho, 0.0), False, ~keep)
 
 
-@register_correction("m2po", M2POConfig)
-def _m2po(batch: TrainBatch, cfg: M2POConfig) -> CorrectionTerms:
+def second_moment_drop(batch: TrainBatch, tau: float) -> jax.Array:
+  """M2PO's mask, inverted: 1 on the sampled tokens to drop, [B, T] bool.
+
+  d_t = (log π_old − log μ)²; tokens are removed largest d first until the mean d of the
+  sampled tokens left is < τ (all of them may go). Needs old_logp and behaviour_logp.
+  """
   live = (batch.loss_mask > 0).ravel()
   d = jnp.square(_log_rho(batch)).ravel()
   n_flat = d.shape[0]
@@ -254,10 +269,15 @@ def _m2po(batch: TrainBatch, cfg: M2POConfig) -> CorrectionTerms:
   rest_sum = jnp.concatenate([jnp.cumsum(d_sorted[::-1])[::-1], jnp.zeros((1,), d.dtype)])
   n_live = jnp.sum(live)
   rest_count = n_live - jnp.arange(n_flat + 1)
-  ok = (rest_count <= 0) | (rest_sum < cfg.tau * rest_count)
+  ok = (rest_count <= 0) | (rest_sum < tau * rest_count)
   n_drop = jnp.argmax(ok)                              # the first k where the rest's mean < τ
   rank = jnp.zeros((n_flat,), jnp.int32).at[order].set(jnp.arange(n_flat, dtype=jnp.int32))
-  drop = (live & (rank < n_drop)).reshape(batch.loss_mask.shape)
+  return (live & (rank < n_drop)).reshape(batch.loss_mask.shape)
+
+
+@register_correction("m2po_mask", M2POMaskConfig)
+def _m2po_mask(batch: TrainBatch, cfg: M2POMaskConfig) -> CorrectionTerms:
+  drop = second_moment_drop(batch, cfg.tau)
   return _terms(batch, ~drop, False, drop)
 
 
