@@ -10,12 +10,13 @@ from flax import nnx
 
 from posttrain_jax import batching
 from posttrain_jax import learner as L
-from posttrain_jax.losses import GRPOConfig, SFTConfig, get_loss
+from posttrain_jax.losses import CISPOConfig, GRPOConfig, M2POConfig, SFTConfig, get_loss
 from tests.learner_testing import random_trajectories, small_model
 
 
-def _setup(loss="grpo", loss_cfg=None, pack=True, n=12, rows=8, seq_len=40, seed=0):
-  model = small_model()
+def _setup(loss="grpo", loss_cfg=None, pack=True, n=12, rows=8, seq_len=40, seed=0,
+           on_policy=False, num_layers=2):
+  model = small_model(num_layers=num_layers)
   graphdef, params = nnx.split(model, nnx.Param)
   params = nnx.to_pure_dict(params)
   trajs = random_trajectories(n, seed=seed)
@@ -25,11 +26,15 @@ def _setup(loss="grpo", loss_cfg=None, pack=True, n=12, rows=8, seq_len=40, seed
   batch = jax.tree.map(jnp.asarray, batch)
   spec = get_loss(loss)
   loss_cfg = loss_cfg or spec.config_cls()
-  # old log-probs = learner's own + noise, so ratios are non-trivial and clipping is active
+  # old log-probs = learner's own + noise, so ratios are non-trivial and clipping is active;
+  # behaviour log-probs near the old ones, so IS weights are spread around 1
   logp = L.token_logprobs(graphdef, params, batch)
   # a fixed function of (sequence, position): identical whatever the layout
   noise = 0.3 * jnp.sin(7.1 * batch.seq_ids + 1.3 * batch.positions + seed)
-  batch = dataclasses.replace(batch, old_logp=(logp + noise) * batch.loss_mask,
+  beh_noise = 0.9 * jnp.cos(3.7 * batch.seq_ids + 2.9 * batch.positions + seed)
+  old = (logp + noise) * batch.loss_mask
+  batch = dataclasses.replace(batch, old_logp=None if on_policy else old,
+                              behaviour_logp=(old + beh_noise) * batch.loss_mask,
                               ref_logp=(logp - noise) * batch.loss_mask)
   return graphdef, params, batch, spec, loss_cfg
 
@@ -76,6 +81,35 @@ def test_fused_equals_unfused_equals_materialised(loss, loss_cfg):
     got, m_got = _grads(g, p, b, spec, lc, fused_loss=fused, logprob_impl="chunked")
     _close(ref, got, rtol=1e-4, atol=1e-6)
     assert m_got["loss"] == pytest.approx(m_ref["loss"], rel=1e-5, abs=1e-6)
+
+
+# Fused kernel vs materialised autodiff for the other separable forms: an off-policy
+# correction (c_t from old and behaviour log-probs), CISPO's stop-gradient weight, the
+# on-policy base (old_logp None: the kernel differentiates through sg(logp)), M2PO's mask.
+# A one-layer model and 6 sequences in 4 rows keep the two compiles per case short.
+FUSED_CASES = [
+    ("grpo", GRPOConfig(correction="tis"), False),
+    ("cispo", CISPOConfig(aggregation="seq_mean_token_mean", eps_low=0.2, eps_high=0.2,
+                          kl_coef=0.05, correction="icepop"), False),
+    ("grpo", GRPOConfig(kl_coef=0.1, kl_estimator="k2"), True),
+    pytest.param("m2po", M2POConfig(tau=0.02), False, marks=slow),
+]
+
+
+@pytest.mark.parametrize("loss,loss_cfg,on_policy", FUSED_CASES)
+def test_fused_equals_materialised(loss, loss_cfg, on_policy):
+  g, p, b, spec, lc = _setup(loss, loss_cfg, n=6, rows=4, seq_len=24, on_policy=on_policy,
+                             num_layers=1)
+  assert (b.old_logp is None) == on_policy
+  ref, m_ref = _grads(g, p, b, spec, lc, fused_loss=False, logprob_impl="reference")
+  got, m_got = _grads(g, p, b, spec, lc, fused_loss=True, logprob_impl="chunked")
+  assert max(float(np.abs(x).max()) for x in jax.tree.leaves(ref)) > 0
+  _close(ref, got, rtol=1e-4, atol=1e-6)
+  for k in m_ref:
+    assert m_got[k] == pytest.approx(m_ref[k], rel=1e-5, abs=1e-6), k
+  if "correction/mask_frac" in m_ref:   # a correction or mask: it really acts on some tokens
+    assert m_ref["correction/mask_frac"] > 0 or m_ref["correction/clip_frac"] > 0, m_ref
+    assert m_ref["correction/is_weight_mean"] > 0, m_ref
 
 
 @pytest.mark.parametrize("loss,loss_cfg", LOSS_CASES)
