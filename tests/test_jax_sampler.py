@@ -5,7 +5,7 @@ import pytest
 
 from posttrain_jax import batching
 from posttrain_jax import learner as L
-from posttrain_jax.engines.base import EngineError, SamplingParams
+from posttrain_jax.engines.base import PromptTooLongError, SamplingParams
 from posttrain_jax.engines.jax_sampler import JaxSampler, JaxSamplerConfig
 from posttrain_jax.types import Trajectory
 from tests.learner_testing import VOCAB, small_model
@@ -102,5 +102,7 @@ def test_seed_determinism_and_version(model):
 
 def test_too_long_prompt_is_named(model):
   sampler = JaxSampler(model, JaxSamplerConfig(max_prompt_len=4))
-  with pytest.raises(EngineError, match="prompt 1 has 7 tokens.*max_prompt_len"):
+  # not an infra error: the rollout source drops such a task as "invalid" instead of retrying
+  with pytest.raises(PromptTooLongError, match="prompt 1 has 7 tokens.*max_prompt_len") as e:
     sampler.generate(PROMPTS, SamplingParams(max_tokens=2))
+  assert e.value.index == 1
