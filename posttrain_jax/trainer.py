@@ -63,11 +63,11 @@ _FIXED_ON_RESUME = ("seed", "model", "tasks", "sft.steps", "sft.batch_size", "sf
 class Trainer:
   """Wires the parts of a RunConfig together and runs it (resuming from the workdir)."""
 
-  def __init__(self, cfg: RunConfig, log=print):
+  def __init__(self, cfg: RunConfig, log=None):
+    from tqdm import tqdm
     self.cfg = cfg
-    self.log = log
+    self.log = log or tqdm.write   # a line above the progress bar, not inside it
     self.workdir = pathlib.Path(cfg.workdir)
-    self.workdir.mkdir(parents=True, exist_ok=True)
     self.model_dir = (pathlib.Path(cfg.model.path) if cfg.model.path
                       else build_tiny_model(cfg.model.tiny))
     self.tokenizer = hf_io.load_tokenizer(self.model_dir)
@@ -91,6 +91,7 @@ class Trainer:
     self.tasks = self.bank.iterator()
     self.held_out = self.bank.eval_tasks()
     self.grader = make_grader(cfg.grader)
+    self.workdir.mkdir(parents=True, exist_ok=True)   # after the checks: a bad config leaves none
     self.ckpt = Checkpointer(self.workdir / "checkpoints", cfg.checkpoint)
     self.sft_dir = self.workdir / "sft_model"
     self.total_steps = cfg.sft.steps + cfg.rl.steps

@@ -42,7 +42,7 @@ import numpy as np
 
 from posttrain_jax.envs import synthetic
 from posttrain_jax.envs.task import Task, TaskError, is_held_out
-from posttrain_jax.errors import UserError
+from posttrain_jax.errors import PathNotFoundError, UserError
 from posttrain_jax.registry import Registry
 
 _MAX_REPORTED_ERRORS = 5
@@ -180,7 +180,7 @@ class _Scan:
 
 def _check_exists(path: str, kind: str, want_dir: bool):
   if not os.path.exists(path):
-    raise FileNotFoundError(f"{kind} {path!r} does not exist")
+    raise PathNotFoundError(f"{kind} {path!r} does not exist")
   if want_dir and not os.path.isdir(path):
     raise TaskBankError(f"{kind} {path!r} must be a directory written by save_to_disk")
   if not want_dir and os.path.isdir(path):
