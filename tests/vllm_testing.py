@@ -3,6 +3,7 @@ import contextlib
 import importlib.util
 import os
 import pathlib
+import shutil
 import tempfile
 
 import jax
@@ -19,6 +20,7 @@ from posttrain_jax.types import Trajectory
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 TINY = TinyModelConfig()  # qwen3, vocab 512, 4 layers of width 128, fp32, tied head
 BATCH = batching.BatchConfig(rows=16, seq_len=256, max_seqs=32, pack=True)
+_MAX_TMPDIR = 107 - len("/") - 36  # zmq's IPC path limit, less vLLM's "/<uuid4>" socket name
 
 
 def needs_vllm(test):
@@ -31,9 +33,15 @@ def needs_vllm(test):
 def vllm_environment(root: pathlib.Path):
   """Every cache, socket and temp file of vLLM (and its children) under `root`; restored after."""
   root = pathlib.Path(root)
+  # vLLM binds ZMQ IPC sockets at $TMPDIR/<uuid4> (37 more characters) and zmq allows 107: a
+  # deep pytest tmp_path (a long test name or user name, pytest-N past 99) fails at start-up with
+  # "ipc path ... is longer than 107 characters". Too long a root gets a short temp dir.
+  tmp, short = root / "tmp", None
+  if len(str(tmp.resolve())) > _MAX_TMPDIR:
+    tmp = short = pathlib.Path(tempfile.mkdtemp(prefix="vllm-"))
   env = {
       "VLLM_CACHE_ROOT": root / "vllm", "TORCHINDUCTOR_CACHE_DIR": root / "inductor",
-      "XDG_CACHE_HOME": root / "xdg", "TMPDIR": root / "tmp",
+      "XDG_CACHE_HOME": root / "xdg", "TMPDIR": tmp,
       "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
       "TOKENIZERS_PARALLELISM": "false",
   }
@@ -52,6 +60,8 @@ def vllm_environment(root: pathlib.Path):
       else:
         os.environ[k] = v
     tempfile.tempdir = old_tempdir
+    if short is not None:
+      shutil.rmtree(short, ignore_errors=True)
 
 
 def tiny_model_dir(base: pathlib.Path) -> pathlib.Path:
