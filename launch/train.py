@@ -94,6 +94,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     logging.set_verbosity(logging.WARNING)
     # transformers warns at import that PyTorch is missing; we never use its torch models.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM has its own logger setting
   return rest
 
 
