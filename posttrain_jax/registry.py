@@ -1,6 +1,8 @@
 """A tiny name -> object registry; the single list of valid names for each kind of part."""
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
@@ -41,3 +43,12 @@ class Registry(Generic[T]):
 
   def __contains__(self, name: str) -> bool:
     return name in self._items
+
+
+def import_submodules(package: str, skip: tuple[str, ...] = ()) -> None:
+  """Imports every module of `package` (except private ones and `skip`), so modules that
+  register themselves at import are found: a new part is one new file."""
+  pkg = importlib.import_module(package)
+  for mod in pkgutil.iter_modules(pkg.__path__):
+    if not mod.name.startswith("_") and mod.name not in skip:
+      importlib.import_module(f"{package}.{mod.name}")

@@ -33,6 +33,7 @@ import zlib
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -120,18 +121,19 @@ class Trainer:
   def _check_resume_config(self, saved: Optional[dict]) -> None:
     if not saved:
       return
-    diffs = _diff(saved, to_dict(self.cfg))
+    now = to_dict(self.cfg)
+    diffs = _diff(saved, now)
     fixed = [d for d in diffs if any(d == f or d.startswith(f + ".") for f in _FIXED_ON_RESUME)]
     if fixed:
       raise ConfigTypeError(
           f"the checkpoint in {self.ckpt.directory} was written with a different "
           f"{', '.join(fixed)} (saved vs now: "
-          + "; ".join(f"{d}: {_get(saved, d)!r} vs {_get(to_dict(self.cfg), d)!r}" for d in fixed)
+          + "; ".join(f"{d}: {_get(saved, d)!r} vs {_get(now, d)!r}" for d in fixed)
           + "); resume with the saved values or start over with --noresume")
     benign = [d for d in diffs if d not in fixed and d not in ("workdir", "stop_after_step")]
     if benign:
       self.log("resuming with a changed config: " + "; ".join(
-          f"{d}: {_get(saved, d)!r} -> {_get(to_dict(self.cfg), d)!r}" for d in benign))
+          f"{d}: {_get(saved, d)!r} -> {_get(now, d)!r}" for d in benign))
 
   # ------------------------------------------------------------------ helpers
   def _overrides(self) -> dict:
@@ -257,7 +259,10 @@ class Trainer:
                             restore_step=start if resume else None)
     reference = None  # the warm-start weights: a loss term needs them, or a KL is reported
     if "ref_logp" in learner.spec.needs(self.loss_cfg) or cfg.reference_kl:
-      reference = nnx.to_pure_dict(nnx.state(self._load(base), nnx.Param))
+      # a fresh learner holds the start weights: copy them (it donates its own buffers); a
+      # resumed one holds trained weights, so the start weights are read again
+      reference = (jax.tree.map(jnp.copy, learner.state.params) if not resume
+                   else nnx.to_pure_dict(nnx.state(self._load(base), nnx.Param)))
     engine = self._engine_obj = self._engine(learner, base)
     source = self._source = self._rollout_source(learner, engine, base)
     if self._source_state:

@@ -33,12 +33,10 @@ source, the pool or the trainer changes.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from posttrain_jax.envs import Task
-from posttrain_jax.registry import Registry
+from posttrain_jax.registry import Registry, import_submodules
 from posttrain_jax.types import Source, Status, Trajectory
 
 
@@ -71,6 +69,8 @@ class InvalidTaskError(Exception):
 
 class Episode(Protocol):
   """What a rollout source runs."""
+
+  engine: Any                     # the rollout engine it samples from (weights, version)
 
   def run(self, items: Sequence[WorkItem], seed: int) -> list[list[Trajectory]]:
     """One graded group per item, in order; raises on our failure (see module docstring)."""
@@ -112,9 +112,7 @@ def episode_spec(name: str) -> EpisodeSpec:
   """The registered episode type `name` (every module of posttrain_jax.actors is imported)."""
   global _discovered
   if not _discovered:
-    import posttrain_jax.actors as pkg
-    for mod in pkgutil.iter_modules(pkg.__path__):
-      importlib.import_module(f"{pkg.__name__}.{mod.name}")
+    import_submodules("posttrain_jax.actors")
     _discovered = True
   return EPISODES.get(name)
 

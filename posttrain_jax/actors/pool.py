@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from posttrain_jax.actors.episode import (
     Episode, InvalidTaskError, RetryConfig, WorkItem, all_infra, drop_invalid, infra_group,
     requeue_or_give_up)
-from posttrain_jax.actors.rollout import DataExhaustedError, draw_task
+from posttrain_jax.actors.rollout import DataExhaustedError, draw_task, exhausted
 from posttrain_jax.engines.base import Engine
 from posttrain_jax.envs import Task
 from posttrain_jax.replay import ReplayConfig, ReplayQueue
@@ -272,9 +272,9 @@ class ActorPool:
           self.counters["retries"] += 1
           await asyncio.sleep(self.retry.delay(attempt))
           continue
-        version = getattr(getattr(self.episode, "engine", None), "version", -1)
         for item in todo:
-          out[item.draw] = ("failed", infra_group(item, self.group_size, e, version))
+          out[item.draw] = ("failed", infra_group(item, self.group_size, e,
+                                                  self.episode.engine.version))
         return out
       if len(groups) != len(todo):
         raise RuntimeError(f"episode {type(self.episode).__name__} returned {len(groups)} groups "
@@ -347,7 +347,7 @@ class AsyncRollouts:
       self._top_up()
       groups += self.queue.get(self.prompts_per_step - len(groups), timeout=self.pool_cfg.poll_s)
       if self._exhausted and len(groups) < self.prompts_per_step and self._drained():
-        draw_task(iter(()), self._next_draw)   # raises DataExhaustedError naming the count
+        raise exhausted(self._next_draw)
       if time.perf_counter() - t0 > self.pool_cfg.collect_timeout_s and \
           len(groups) < self.prompts_per_step:
         drops = {k: v for k, v in self.queue.stats(reset_window=False).items()

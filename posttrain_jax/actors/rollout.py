@@ -154,14 +154,19 @@ def _build_task_episode(cfg: TaskEpisodeConfig, ctx: EpisodeContext) -> TaskEpis
   return TaskEpisode(ctx.engine, ctx.tokenizer, ctx.grader, ctx.rollout, ctx.stop_token_ids)
 
 
+def exhausted(drawn: int) -> DataExhaustedError:
+  """The error for a task bank that ran out after `drawn` tasks."""
+  return DataExhaustedError(
+      f"the task bank is exhausted after {drawn} tasks (TaskBankConfig.num_epochs passes over "
+      "the data); set tasks.num_epochs higher, or None to cycle, or train fewer steps")
+
+
 def draw_task(tasks, drawn: int):
   """next(tasks), or DataExhaustedError saying how many tasks the run had drawn."""
   try:
     return next(tasks)
   except StopIteration:
-    raise DataExhaustedError(
-        f"the task bank is exhausted after {drawn} tasks (TaskBankConfig.num_epochs passes over "
-        "the data); set tasks.num_epochs higher, or None to cycle, or train fewer steps") from None
+    raise exhausted(drawn) from None
 
 
 class SyncRollouts:

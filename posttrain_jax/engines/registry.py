@@ -13,14 +13,12 @@ file (plus its test). The built engine's `update_weights` takes the learner's pa
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import pathlib
-import pkgutil
 from typing import Any, Callable, Optional
 
 from flax import nnx
 
-from posttrain_jax.registry import Registry
+from posttrain_jax.registry import Registry, import_submodules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +62,7 @@ _discovered = False
 def _discover() -> None:
   global _discovered
   if not _discovered:
-    import posttrain_jax.engines as pkg
-    for mod in pkgutil.iter_modules(pkg.__path__):
-      if not mod.name.startswith("_") and mod.name != "registry":
-        importlib.import_module(f"{pkg.__name__}.{mod.name}")
+    import_submodules("posttrain_jax.engines", skip=("registry",))
     _discovered = True
 
 

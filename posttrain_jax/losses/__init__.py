@@ -5,13 +5,10 @@ Use: `spec = get_loss(name)`; `loss, metrics = spec.fn(logp_bt, batch, cfg)` wit
 Separable losses also give `spec.token_terms` / `spec.token_loss` (see losses/base.py).
 Every module of this package is imported here, so a new loss is one new file (plus its test).
 """
-import importlib as _importlib
-import pkgutil as _pkgutil
-
 from posttrain_jax.losses.base import LOSSES, LossSpec, get_loss, register_loss, weighted
+from posttrain_jax.registry import import_submodules
 
-for _mod in _pkgutil.iter_modules(__path__):   # registers every loss, correction, aggregation
-  _importlib.import_module(f"{__name__}.{_mod.name}")
+import_submodules(__name__)   # registers every loss, correction, aggregation
 from posttrain_jax.losses.aggregation import AGGREGATIONS
 from posttrain_jax.losses.grpo import CISPOConfig, GRPOConfig, GSPOConfig, M2POConfig, PGTerms
 from posttrain_jax.losses.kl import KL_ESTIMATORS, KLConfig, kl_estimate

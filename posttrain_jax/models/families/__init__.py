@@ -15,11 +15,9 @@ A family says three things:
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
 from typing import Any, Callable, Optional
 
-from posttrain_jax.registry import Registry
+from posttrain_jax.registry import Registry, import_submodules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,13 +61,7 @@ def for_hf(hf: dict) -> Optional[ModelFamily]:
   return get(model_type) if isinstance(model_type, str) and model_type in FAMILIES else None
 
 
-def _discover() -> None:
-  for module in pkgutil.iter_modules(__path__):
-    if not module.name.startswith("_"):
-      importlib.import_module(f"{__name__}.{module.name}")
-
-
-_discover()
+import_submodules(__name__)
 
 __all__ = ["ModelFamily", "FAMILIES", "register_family", "get", "names", "architectures",
            "for_hf"]
