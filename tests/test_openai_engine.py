@@ -100,7 +100,16 @@ def test_in_flight_requests_at_a_weight_change(live, policy):
     t.start()
     while not engine._inflight:  # the request is on its way
       time.sleep(0.01)
-    time.sleep(0.2)
+    if policy == "cut":
+      # hold the server's running requests where they are (they would otherwise finish ~2 s
+      # later, which can be before the checkpoint is written), so the cut finds them mid-way
+      while _requests_running(m["server"].url) == 0:
+        time.sleep(0.01)
+      time.sleep(0.1)  # a few dozen tokens in
+      _call(m["server"].url, "/pause?mode=keep")
+      assert _requests_running(m["server"].url) == 32
+    else:
+      time.sleep(0.2)
     engine.update_weights(new, version=v + 1)
     t.join()
   finally:
@@ -121,6 +130,93 @@ def test_in_flight_requests_at_a_weight_change(live, policy):
   after = engine.generate(PROMPTS, SamplingParams(max_tokens=4), seed=1)
   assert {c.version for x in after for c in x} == {v + 1}
   engine.update_weights(start, version=v + 2)  # back to the start weights for the other tests
+
+
+def _requests_running(url: str) -> float:
+  """vllm:num_requests_running from the server's Prometheus /metrics."""
+  import urllib.request
+  text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+  return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+             if line.startswith("vllm:num_requests_running"))
+
+
+def _call(url: str, path: str) -> None:
+  import urllib.request
+  urllib.request.urlopen(urllib.request.Request(f"{url}{path}", data=b"", method="POST"),
+                         timeout=30).read()
+
+
+class _SlowCompletions:
+  """A forwarding HTTP proxy in front of the real server that holds each /v1/completions
+  request for `delay_s` before passing it on: the request is sent but the server does not have
+  it yet (in transit) when a weight update starts."""
+
+  def __init__(self, target: str, delay_s: float):
+    import http.client
+    import http.server
+    import urllib.parse
+    host, port = urllib.parse.urlsplit(target).hostname, urllib.parse.urlsplit(target).port
+    outer = self
+    self.held = 0
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      def log_message(self, *args):
+        pass
+
+      def _forward(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path.startswith("/v1/completions"):
+          outer.held += 1
+          time.sleep(delay_s)
+        conn = http.client.HTTPConnection(host, port, timeout=600)
+        conn.request(self.command, self.path, body=body or None,
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+        self.send_response(resp.status)
+        self.send_header("Content-Type", resp.getheader("Content-Type", "application/json"))
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        conn.close()
+
+      do_GET = do_POST = _forward
+
+    self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+    threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+  def close(self):
+    self.server.shutdown()
+    self.server.server_close()
+
+
+@vt.needs_vllm
+def test_cut_reaches_a_request_still_in_transit(live, tmp_path):
+  """"cut" aborts a request that reached the server after the first abort: the update aborts
+  again until every answer is back (one abort at the start missed it and let it run to the end)."""
+  _, m = live
+  proxy = _SlowCompletions(m["server"].url, delay_s=3.0)
+  engine = OpenAIEngine(OpenAIEngineConfig(base_url=proxy.url, weights_dir=str(tmp_path),
+                                           in_flight="cut", abort_retry_s=0.25))
+  result = {}
+  t = threading.Thread(target=lambda: result.update(out=engine.generate(
+      [[3, 4, 5]], SamplingParams(max_tokens=480, temperature=1.0), n=8, seed=11)))
+  try:
+    t.start()
+    while not proxy.held:  # sent; the server gets it in 3 s
+      time.sleep(0.001)
+    engine.update_weights(vt.noised(m["start"], 0.03, seed=5), version=1)
+    t.join()
+    comps = result["out"][0]
+    print(f"\nin transit at the update: {sorted({c.finish_reason for c in comps})}, "
+          f"tokens {[len(c.token_ids) for c in comps]}; sync {engine.last_weight_sync}")
+    assert {c.finish_reason for c in comps} == {"abort"}
+    assert all(len(c.token_ids) < 480 for c in comps) and {c.version for c in comps} == {0}
+  finally:
+    engine.update_weights(m["start"], version=2)  # back to the start weights for the other tests
+    engine.close()
+    proxy.close()
 
 
 @vt.needs_vllm

@@ -29,9 +29,10 @@ Reload method: `ptj_reload_weights` when the server runs our worker extension
 Rollouts in flight at a weight change (`in_flight`):
   - "finish": requests already sent complete on the old weights and are tagged with the old
     version (the update waits for them); the learner corrects them off-policy.
-  - "cut": requests already sent are aborted (POST /abort_requests); their completions come
-    back with finish_reason "abort", the tokens sampled so far and the old version; the
-    caller resumes them from that prefix on the new weights (a new generate call) or drops them.
+  - "cut": requests already sent are aborted (POST /abort_requests, repeated every
+    `abort_retry_s` until each has its answer: one still in transit escapes an abort); their
+    completions come back with finish_reason "abort", the tokens sampled so far and the old
+    version; the caller resumes them from that prefix on the new weights (a new generate call) or drops them.
 Either way no token is ever tagged with a version that did not sample it.
 
 Errors: an unreachable URL is one EngineError naming it, after at most `max_retries + 1`
@@ -71,6 +72,7 @@ class OpenAIEngineConfig:
   weights_dtype: Optional[str] = None  # checkpoint dtype: None = as given | float32 | bfloat16
   reload_method: str = "auto"         # auto | ptj_reload_weights | reload_weights (see docstring)
   in_flight: str = "finish"           # finish | cut: requests in flight at a weight change
+  abort_retry_s: float = 0.25         # cut: abort again after this while an answer is missing
 
 
 _RETRY_STATUSES = {500, 502, 503, 504}
@@ -153,11 +155,7 @@ class OpenAIEngine:
         self._updating = True
       done = False
       try:
-        if self.cfg.in_flight == "cut":
-          self._post("/abort_requests", {})
-        with self._cond:  # every request this client sent has its answer
-          while self._inflight:
-            self._cond.wait()
+        self._settle_in_flight()
         t2 = time.perf_counter()
         mode = "abort" if self.cfg.in_flight == "cut" else "wait"
         self._post(f"/pause?mode={mode}", None, timeout=self.cfg.request_timeout_s)
@@ -183,6 +181,21 @@ class OpenAIEngine:
       t3 = time.perf_counter()
       self.last_weight_sync = {"write_s": t1 - t0, "drain_s": t2 - t1, "reload_s": t3 - t2,
                                "seconds": t3 - t0}
+
+  def _settle_in_flight(self) -> None:
+    """Returns once every request this client sent has its answer.
+
+    "cut" aborts everything the server tracks, and again every `abort_retry_s` while an answer
+    is missing: a request still in transit (sent, not yet registered by the server) escapes an
+    abort, and so do the children of an n>1 request the server had not fanned out yet."""
+    cut = self.cfg.in_flight == "cut"
+    while True:
+      if cut:
+        self._post("/abort_requests", {})
+      with self._cond:
+        if self._cond.wait_for(lambda: not self._inflight,
+                               timeout=self.cfg.abort_retry_s if cut else None):
+          return
 
   # -- extras --------------------------------------------------------------------------------
 
