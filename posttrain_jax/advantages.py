@@ -176,14 +176,19 @@ def compute_advantages(trajectories: Sequence[Trajectory], cfg: AdvantageConfig 
   spec = ADVANTAGE_ESTIMATORS.get(cfg.estimator)
   n = len(trajectories)
   keep = np.array([t.status is not Status.INFRA_ERROR for t in trajectories], bool)
-  kept = [t for t, k in zip(trajectories, keep) if k]
+  every_kept = [t for t, k in zip(trajectories, keep) if k]
+  # an episode split into several samples (a template broke the token prefix) counts once:
+  # statistics over its first sample, its other samples share that sample's advantage
+  heads = np.array([t.metrics.get("sample_index", 0) == 0 for t in every_kept], bool)
+  kept = [t for t, h in zip(every_kept, heads) if h]
   if spec.kind != "none":
     for t in kept:
       if t.reward is None:
         raise ValueError(f"trajectory {t.id!r} (status {t.status.value}) has no reward; "
                          f"estimator {cfg.estimator!r} needs one (grade it or mark it infra_error)")
-  stats: dict[str, float] = {"num_trajectories": float(n), "infra_excluded": float(n - len(kept)),
-                             "infra_error_frac": (n - len(kept)) / n if n else 0.0}
+  excluded = n - len(every_kept)
+  stats: dict[str, float] = {"num_trajectories": float(n), "infra_excluded": float(excluded),
+                             "infra_error_frac": excluded / n if n else 0.0}
   advantages = np.full(n, np.nan, np.float32)
   group_sizes: dict[str, int] = {}
   new_state = None
@@ -200,7 +205,7 @@ def compute_advantages(trajectories: Sequence[Trajectory], cfg: AdvantageConfig 
       idx = np.array([index[t.group_id] for t in kept], np.int32)
       adv, zero_var_g = spec.group_fn(rewards, idx, np.ones(len(kept), bool), len(group_names),
                                       std_ddof=cfg.std_ddof, eps=cfg.eps)
-      advantages[keep] = adv
+      advantages[keep] = _spread(every_kept, heads, adv)
       sizes = np.bincount(idx, minlength=len(group_names))
     else:
       zero_var_g, sizes = np.zeros(0, bool), np.zeros(0, int)
@@ -214,8 +219,21 @@ def compute_advantages(trajectories: Sequence[Trajectory], cfg: AdvantageConfig 
     adv, new_state, unseen = running_baseline_advantages(
         [t.reward for t in kept], [t.task_id for t in kept], state or BaselineState(),
         cfg.baseline_rate)
-    advantages[keep] = adv
+    advantages[keep] = _spread(every_kept, heads, adv)
     stats["unseen_tasks"] = float(unseen)
   else:
     advantages[keep] = 0.0
   return AdvantageResult(advantages, keep, stats, group_sizes, new_state)
+
+
+def _spread(every_kept: Sequence[Trajectory], heads: np.ndarray, adv_heads) -> np.ndarray:
+  """Advantages for every kept trajectory from those of the episodes' first samples."""
+  if heads.all():
+    return np.asarray(adv_heads, np.float32)
+  by_episode = {_episode(t): a for t, a in zip([t for t, h in zip(every_kept, heads) if h],
+                                               adv_heads)}
+  return np.array([by_episode.get(_episode(t), 0.0) for t in every_kept], np.float32)
+
+
+def _episode(t: Trajectory) -> str:
+  return t.metrics.get("episode_id", t.id)

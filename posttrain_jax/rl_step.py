@@ -22,6 +22,7 @@ import numpy as np
 
 from posttrain_jax import batching
 from posttrain_jax.advantages import AdvantageConfig, BaselineState, compute_advantages
+from posttrain_jax.step_metrics import episode_signals
 from posttrain_jax.types import Status
 
 
@@ -80,6 +81,8 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
       "skipped_update": float(not keep),
       "time/update_weights_s": t_sync, "time/generate_s": t_gen, "time/train_s": t_train,
   })
+  metrics.update(episode_signals(trajs))
+  metrics["filter/zero_var_group_frac"] = metrics["zero_var_group_frac"]
   if adv.state is not None:
     metrics["baseline/global_mean"] = (adv.state.global_mean if adv.state.global_mean is not None
                                        else float("nan"))

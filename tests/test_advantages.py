@@ -198,3 +198,18 @@ def test_order_invariance_and_empty_input(estimator):
   empty = compute_advantages([], cfg)
   assert empty.advantages.shape == (0,) and empty.stats["num_groups"] == 0
   assert empty.stats["zero_var_group_frac"] == 0.0
+
+
+def test_an_episode_split_into_samples_counts_once():
+  """A multi-turn episode whose template broke the prefix has two samples: the group statistics
+  see the episode once and both samples get its advantage."""
+  def traj(tid, r, k=0, ep=None):
+    return Trajectory(id=tid, task_id="t", token_ids=[1, 2], loss_mask=[0, 1],
+                      behaviour_logprobs=[0.0, -1.0], policy_version=[-1, 0], group_id="g",
+                      reward=r, metrics={"sample_index": k, "episode_id": ep or tid})
+  split = [traj("a.0", 1.0, 0, "a"), traj("a.1", 1.0, 1, "a"), traj("b", 0.0), traj("c", 0.0)]
+  whole = [traj("a", 1.0), traj("b", 0.0), traj("c", 0.0)]
+  got = compute_advantages(split, AdvantageConfig(estimator="grpo"))
+  want = compute_advantages(whole, AdvantageConfig(estimator="grpo"))
+  np.testing.assert_allclose(got.advantages, [want.advantages[0], *want.advantages], rtol=1e-6)
+  assert got.group_sizes == {"g": 3}

@@ -284,7 +284,8 @@ class EnvEpisode:
           token_ids=list(s.token_ids), loss_mask=list(mask),
           behaviour_logprobs=list(s.logprobs), policy_version=list(s.versions),
           messages=r.messages if k == len(samples) - 1 else [], reward=r.reward,
-          status=r.status, metrics={**metrics, "sample_index": k, "samples": len(samples)}))
+          status=r.status, metrics={**metrics, "sample_index": k, "samples": len(samples),
+                                    "episode_id": f"{r.item.group_id}/{r.index}"}))
     return out
 
 
