@@ -93,8 +93,10 @@ def test_topk_against_float64(impl, transposed, seed):
       f"top-k ids {_replay(seed)}"
   assert_close("student logp", out.student_logp_nk, np.where(m, want_s, 0), 1e-5, seed)
   assert_close("teacher logp", out.teacher_logp_nk, np.where(m, want_t, 0), 1e-5, seed)
-  assert_close("student tail", out.student_tail_n, np.where(m[:, 0], tail(want_s), 0), 1e-5, seed)
-  assert_close("teacher tail", out.teacher_tail_n, np.where(m[:, 0], tail(want_t), 0), 1e-5, seed)
+  # the tail log(1 − Σ_topk p) cancels: float32 rounding grows by 1/(tail mass). Over 150 seeds
+  # the worst error was 9.7e-6 and one CI seed gave 1.8e-5, hence 1e-4 (a bug is ≥ 1e-3)
+  assert_close("student tail", out.student_tail_n, np.where(m[:, 0], tail(want_s), 0), 1e-4, seed)
+  assert_close("teacher tail", out.teacher_tail_n, np.where(m[:, 0], tail(want_t), 0), 1e-4, seed)
 
 
 def test_topk_gradients_match_autodiff(seed):
@@ -110,8 +112,10 @@ def test_topk_gradients_match_autodiff(seed):
 
   want = loss("reference", None)(h, w, ht)
   got = loss("chunked", BS)(h, w, ht)
-  assert_close("dh", got[0], want[0], 1e-5, seed)
-  assert_close("dW", got[1], want[1], 1e-5, seed)
+  # float32 against float32 in another summation order, through the tail's 1/(tail mass):
+  # worst over 150 seeds 3.5e-5, one CI seed 7.4e-5; 3e-4 leaves room (a bug is ≥ 1e-2)
+  assert_close("dh", got[0], want[0], 3e-4, seed)
+  assert_close("dW", got[1], want[1], 3e-4, seed)
   assert np.all(np.asarray(got[2]) == 0), f"teacher must be stop-gradient {_replay(seed)}"
 
 
@@ -148,8 +152,9 @@ def test_divergence_against_float64_and_autodiff(kind, beta, seed):
   assert_close(f"{kind} reference", d_ref, want, 1e-5, seed)
   assert_close(f"{kind} chunked", d, want, 1e-5, seed)
   assert np.all(np.asarray(d)[~np.asarray(mask)] == 0), f"masked rows nonzero {_replay(seed)}"
-  assert_close(f"{kind} dh", g[0], g_ref[0], 1e-5, seed)
-  assert_close(f"{kind} dW", g[1], g_ref[1], 1e-5, seed)
+  # float32 vs float32 gradients: worst over 60 seeds 8.7e-6, so 1e-4 (a bug is ≥ 1e-2)
+  assert_close(f"{kind} dh", g[0], g_ref[0], 1e-4, seed)
+  assert_close(f"{kind} dW", g[1], g_ref[1], 1e-4, seed)
   assert np.all(np.asarray(g[2]) == 0) and np.all(np.asarray(g[3]) == 0), \
       f"teacher grad {_replay(seed)}"
   assert np.all(np.asarray(g[0])[~np.asarray(mask)] == 0), \
