@@ -39,6 +39,7 @@ from flax import nnx
 
 from posttrain_jax import batching
 from posttrain_jax.actors.episode import EpisodeContext, episode_spec
+from posttrain_jax.actors.multiturn import demonstration_trajectory, evaluate_episodes
 from posttrain_jax.actors.pool import AsyncRollouts
 from posttrain_jax.actors.rollout import SyncRollouts, draw_task, encode_prompt
 from posttrain_jax.advantages import BaselineState
@@ -77,12 +78,14 @@ class Trainer:
     self.stop_ids = tuple(eos) if isinstance(eos, tuple) else ((eos,) if eos is not None else ())
     if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in self.stop_ids:
       self.stop_ids = (self.tokenizer.eos_token_id,) + self.stop_ids
+    self._multi_turn = cfg.rl.episode == "env"
     # Checked before anything runs: an engine that cannot start fails now, not after SFT.
     self.engine_spec = engine_spec(cfg.rl.engine)
     self.engine_cfg = cfg.engine_config()
     if cfg.rl.steps and self.engine_spec.check is not None:
       self.engine_spec.check(self.engine_cfg, self.model_cfg,
-                             max(cfg.rl.rollout.max_tokens, cfg.eval.max_tokens))
+                             (cfg.episode_config().turn_max_tokens if self._multi_turn
+                              else max(cfg.rl.rollout.max_tokens, cfg.eval.max_tokens)))
     self.loss_cfg = cfg.loss_config()
     self.mesh = make_mesh(cfg.mesh)
     tasks_cfg = dataclasses.replace(cfg.tasks, process_index=jax.process_index(),
@@ -169,11 +172,15 @@ class Trainer:
   def evaluate(self, engine) -> dict[str, float]:
     """Mean reward on the held-out tasks: sampled at the policy temperature, and greedy."""
     ev = self.cfg.eval
-    prompts = [encode_prompt(self.tokenizer, t) for t in self.held_out]
     out = {}
     modes = [("accuracy", ev.temperature, ev.samples_per_prompt)]
     if ev.greedy:
       modes.append(("accuracy_greedy", 0.0, 1))
+    if self._multi_turn:  # whole episodes on the held-out tasks (the env's reward)
+      episode = self._episode(engine)
+      return {f"eval/{name}": evaluate_episodes(episode, self.held_out, temp, n, seed=12345)
+              for name, temp, n in modes}
+    prompts = [encode_prompt(self.tokenizer, t) for t in self.held_out]
     for name, temp, n in modes:
       sp = SamplingParams(max_tokens=ev.max_tokens, temperature=temp, stop_token_ids=self.stop_ids)
       groups = engine.generate(prompts, sp, n=n, seed=12345)
@@ -184,12 +191,19 @@ class Trainer:
 
   def _engine(self, learner: Learner, base: pathlib.Path):
     """An engine of `rl.engine` serving `base` (the RL start) at version 0."""
-    max_prompt = max([len(encode_prompt(self.tokenizer, t)) for t in self.held_out[:64]] + [64])
+    max_prompt, max_tokens = self._engine_limits()
     ctx = EngineContext(model_dir=base, model_config=self.model_cfg, model=learner.model(),
                         graphdef=learner.graphdef, max_prompt_len=max_prompt,
-                        max_tokens=max(self.cfg.rl.rollout.max_tokens, self.cfg.eval.max_tokens),
-                        pad_id=self.tokenizer.pad_token_id or 0)
+                        max_tokens=max_tokens, pad_id=self.tokenizer.pad_token_id or 0)
     return self.engine_spec.build(self.engine_cfg, ctx)
+
+  def _engine_limits(self) -> tuple[int, int]:
+    """(longest prompt, most new tokens) an engine must serve in this run."""
+    if self._multi_turn:
+      ep = self.cfg.episode_config()
+      return ep.max_context_tokens - ep.turn_max_tokens, ep.turn_max_tokens
+    max_prompt = max([len(encode_prompt(self.tokenizer, t)) for t in self.held_out[:64]] + [64])
+    return max_prompt, max(self.cfg.rl.rollout.max_tokens, self.cfg.eval.max_tokens)
 
   def _episode(self, engine):
     """An episode of `rl.episode` (single-turn tasks by default) on `engine`."""
@@ -221,6 +235,10 @@ class Trainer:
       trajs = []
       for i in range(cfg.batch_size):
         task = draw_task(self.tasks, step * cfg.batch_size + i)
+        if self._multi_turn:  # the environment's gold chat, stitched like an episode
+          trajs.append(demonstration_trajectory(self.tokenizer, task, self.cfg.episode_config(),
+                                                self.stop_ids, f"sft{step}/{i}"))
+          continue
         answer = self.tokenizer.encode(solution_text(task, cfg.answer_style), add_special_tokens=False)
         trajs.append(batching.sft_trajectory(encode_prompt(self.tokenizer, task), answer + eos,
                                              f"sft{step}/{i}", task.id))

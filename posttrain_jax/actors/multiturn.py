@@ -296,3 +296,42 @@ def _tools(env: Environment) -> Optional[list[dict[str, Any]]]:
 @register_episode("env", EnvEpisodeConfig)
 def _build(cfg: EnvEpisodeConfig, ctx: EpisodeContext) -> EnvEpisode:
   return EnvEpisode(cfg, ctx.engine, ctx.tokenizer, ctx.rollout, ctx.stop_token_ids)
+
+
+def demonstration_trajectory(tokenizer, task, cfg: EnvEpisodeConfig,
+                             stop_token_ids: Sequence[int], tid: str) -> Trajectory:
+  """A supervised multi-turn example: the environment's gold chat for `task`, stitched like an
+  episode (assistant turns + their stop token have loss mask 1, everything else 0)."""
+  name = cfg.env or task.metadata.get("env", "")
+  spec = env_spec(name)
+  if spec.demonstration is None:
+    raise InvalidTaskError(0, f"environment {name!r} has no demonstrations for SFT "
+                           "(register_env(..., demonstration=)); set sft.steps=0")
+  chat = spec.demonstration(task, cfg.tool_format)
+  env = spec.build(spec.config_cls())
+  st = Stitcher(tokenizer, _tools(env), "tokens", stop_token_ids)
+  turns = [i for i, m in enumerate(chat) if m["role"] == "assistant"]
+  st.start(chat[:turns[0]])
+  for k, i in enumerate(turns):
+    ids = st.encode(chat[i]["content"]) + [int(stop_token_ids[0])]
+    st.sampled(ids, [0.0] * len(ids), version=0)
+    if k + 1 < len(turns):
+      st.extend(chat[:turns[k + 1]])
+  if len(st.samples) != 1:
+    raise ValueError(f"the demonstration of task {task.id!r} does not stitch into one sample "
+                     f"(breaks: {dict(st.breaks)})")
+  s = st.samples[0]
+  return Trajectory(id=tid, task_id=task.id, token_ids=s.token_ids, loss_mask=s.loss_mask,
+                    behaviour_logprobs=[0.0] * len(s.token_ids),
+                    policy_version=[-1] * len(s.token_ids), source=Source.ENV)
+
+
+def evaluate_episodes(episode: "EnvEpisode", tasks, temperature: float, n: int,
+                      seed: int) -> float:
+  """Mean reward of `n` episodes per held-out task at `temperature` (infra errors left out)."""
+  rollout = dataclasses.replace(episode.rollout, group_size=n, temperature=temperature)
+  ev = EnvEpisode(episode.cfg, episode.engine, episode.tokenizer, rollout, episode.stop_token_ids)
+  groups = asyncio.run(ev.run([WorkItem(-1 - i, t) for i, t in enumerate(tasks)], seed))
+  rewards = [t.reward for g in groups for t in g
+             if t.status is not Status.INFRA_ERROR and t.metrics.get("sample_index", 0) == 0]
+  return sum(rewards) / len(rewards) if rewards else float("nan")

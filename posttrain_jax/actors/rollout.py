@@ -17,7 +17,9 @@ The engine raising -> the episode raises; the source retries / requeues (actors/
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import inspect
 import time
 from typing import Callable, Optional, Sequence
 
@@ -215,6 +217,8 @@ class SyncRollouts:
     while todo:
       try:
         out = self.episode.run(todo, (base_seed + 7919 * attempt) % (2**31))
+        if inspect.isawaitable(out):  # an async episode (multi-turn): run it to completion
+          out = asyncio.run(out)
       except InvalidTaskError as e:
         todo, bad = drop_invalid(todo, e)
         self._counters["invalid"] += 1

@@ -53,3 +53,5 @@ from posttrain_jax.envs.task_bank import (
     TaskBankError,
     TaskIterator,
 )
+# the built-in environments register their task generators and envs
+from posttrain_jax.envs import file_task, tool_math  # noqa: E402,F401

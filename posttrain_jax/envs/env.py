@@ -223,16 +223,18 @@ class EnvSpec:
   name: str
   config_cls: type
   build: Callable[[Any], Environment]    # config -> a fresh environment (one per episode)
-  tasks: Optional[Callable[[Any, int], Task]] = None  # (config, seed) -> the task of seed
+  # (task, tool_format) -> the gold chat (assistant turns as the model writes them), for SFT
+  demonstration: Optional[Callable[[Task, str], list[dict[str, Any]]]] = None
 
 
 ENVS: Registry[EnvSpec] = Registry("environment")
 
 
-def register_env(name: str, config_cls: type, tasks: Optional[Callable[[Any, int], Task]] = None):
-  """Decorator registering `build(cfg) -> Environment`; `tasks(cfg, seed)` makes its tasks."""
+def register_env(name: str, config_cls: type,
+                 demonstration: Optional[Callable[[Task, str], list[dict[str, Any]]]] = None):
+  """Decorator registering `build(cfg) -> Environment` (and its SFT demonstrations)."""
   def deco(build):
-    ENVS.register(name)(EnvSpec(name, config_cls, build, tasks))
+    ENVS.register(name)(EnvSpec(name, config_cls, build, demonstration))
     return build
   return deco
 

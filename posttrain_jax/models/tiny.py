@@ -72,6 +72,35 @@ def default_corpus(n_lines: int, seed: int) -> list[str]:
   return lines
 
 
+def tool_corpus(chat_format: str, n_lines: int, seed: int) -> list[str]:
+  """Chats in a tool format (the python tool, calls, results), so BPE merges its fixed text: a
+  tool system prompt of ~450 byte-level tokens shrinks to a few dozen."""
+  import jinja2
+
+  fmt = CHAT_FORMATS.get(chat_format)
+  env = jinja2.Environment()
+  env.filters["tojson"] = lambda x: json.dumps(x, ensure_ascii=False)
+  template = env.from_string(fmt.template)
+  tools = [{"type": "function", "function": {
+      "name": "python", "description": "Runs a Python program in a sandbox and returns what it "
+      "printed.", "parameters": {"type": "object", "properties": {"code": {"type": "string"}},
+                                 "required": ["code"]}}}]
+  rng = random.Random(seed)
+  lines = []
+  for _ in range(n_lines):
+    a, b = rng.randint(10, 999999), rng.randint(10, 999999)
+    expr, value = f"{a}*{b}", a * b
+    call = (f'<tool_call>\n{{"name": "python", "arguments": {{"code": "print({expr})"}}}}\n'
+            "</tool_call>" if fmt.tool_format == "hermes"
+            else f'{{"name": "python", "parameters": {{"code": "print({expr})"}}}}')
+    chat = [{"role": "user", "content": f"Compute {expr}."},
+            {"role": "assistant", "content": call},
+            {"role": "tool", "content": str(value)},
+            {"role": "assistant", "content": f"The answer is {value}."}]
+    lines.append(template.render(messages=chat, tools=tools, add_generation_prompt=False))
+  return lines
+
+
 def model_config(t: TinyModelConfig, eos_ids: list[int], pad_id: int) -> ModelConfig:
   """The tiny model's ModelConfig; the family's switches are its defaults (`from_hf({})`)."""
   return ModelConfig(
@@ -109,6 +138,8 @@ def _key(t: TinyModelConfig, extra: str) -> str:
   cfg = dataclasses.asdict(t)
   if cfg["chat_format"] == "chatml":  # keys from before the field existed stay valid
     del cfg["chat_format"]
+  else:
+    cfg["tool_corpus"] = 1            # the tokenizer also learns tool_corpus()
   blob = json.dumps({"v": FACTORY_VERSION, "cfg": cfg, "extra": extra}, sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -141,6 +172,8 @@ def build_tiny_model(t: TinyModelConfig = TinyModelConfig(), *,
     return out_dir
 
   lines = corpus if corpus is not None else default_corpus(t.corpus_lines, t.seed)
+  if corpus is None and CHAT_FORMATS.get(t.chat_format).tool_format is not None:
+    lines = lines + tool_corpus(t.chat_format, t.corpus_lines // 4, t.seed)
   tokenizer = train_tokenizer(lines, t.vocab_size, t.chat_format)
   if len(tokenizer) > t.vocab_size:
     raise ValueError(f"tokenizer has {len(tokenizer)} tokens > vocab_size={t.vocab_size}")
