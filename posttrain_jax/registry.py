@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -15,9 +15,17 @@ class Registry(Generic[T]):
   typo in a config is answered with the valid choices.
   """
 
-  def __init__(self, kind: str):
+  def __init__(self, kind: str, discover: Optional[str] = None, skip: tuple[str, ...] = ()):
+    """`discover`: a package whose modules register themselves; they are all imported the first
+    time a name is looked up (`import_submodules`), so a new part is one new file."""
     self.kind = kind
     self._items: dict[str, T] = {}
+    self._discover, self._skip = discover, skip
+
+  def _discovered(self) -> None:
+    if self._discover is not None:
+      package, self._discover = self._discover, None
+      import_submodules(package, self._skip)
 
   def register(self, name: str) -> Callable[[T], T]:
     def deco(obj: T) -> T:
@@ -28,6 +36,7 @@ class Registry(Generic[T]):
     return deco
 
   def get(self, name: str) -> T:
+    self._discovered()
     try:
       return self._items[name]
     except KeyError:
@@ -39,9 +48,11 @@ class Registry(Generic[T]):
     return self.kind + ("es" if self.kind.endswith("s") else "s")
 
   def names(self) -> list[str]:
+    self._discovered()
     return sorted(self._items)
 
   def __contains__(self, name: str) -> bool:
+    self._discovered()
     return name in self._items
 
 

@@ -36,7 +36,7 @@ import dataclasses
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from posttrain_jax.envs import Task
-from posttrain_jax.registry import Registry, import_submodules
+from posttrain_jax.registry import Registry
 from posttrain_jax.types import Source, Status, Trajectory
 
 
@@ -94,7 +94,7 @@ class EpisodeSpec:
   build: Callable[[Any, EpisodeContext], Episode]
 
 
-EPISODES: Registry[EpisodeSpec] = Registry("episode type")
+EPISODES: Registry[EpisodeSpec] = Registry("episode type", discover="posttrain_jax.actors")
 
 
 def register_episode(name: str, config_cls: type):
@@ -105,15 +105,8 @@ def register_episode(name: str, config_cls: type):
   return deco
 
 
-_discovered = False
-
-
 def episode_spec(name: str) -> EpisodeSpec:
   """The registered episode type `name` (every module of posttrain_jax.actors is imported)."""
-  global _discovered
-  if not _discovered:
-    import_submodules("posttrain_jax.actors")
-    _discovered = True
   return EPISODES.get(name)
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 from flax import nnx
 
-from posttrain_jax.registry import Registry, import_submodules
+from posttrain_jax.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,8 @@ class EngineSpec:
   shareable: bool = True          # one instance serves rollouts and eval; False = one each
 
 
-ENGINES: Registry[EngineSpec] = Registry("rollout engine")
+ENGINES: Registry[EngineSpec] = Registry("rollout engine", discover="posttrain_jax.engines",
+                                         skip=("registry",))
 
 
 def register_engine(name: str, config_cls: type, *, check=None, copies_weights: bool = False,
@@ -56,23 +57,11 @@ def register_engine(name: str, config_cls: type, *, check=None, copies_weights: 
   return deco
 
 
-_discovered = False
-
-
-def _discover() -> None:
-  global _discovered
-  if not _discovered:
-    import_submodules("posttrain_jax.engines", skip=("registry",))
-    _discovered = True
-
-
 def engine_spec(name: str) -> EngineSpec:
-  _discover()
   return ENGINES.get(name)
 
 
 def engine_names() -> list[str]:
-  _discover()
   return ENGINES.names()
 
 

@@ -36,7 +36,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from posttrain_jax.envs.task import Task
 from posttrain_jax.envs.tool_calls import ParsedTurn, ToolCall
-from posttrain_jax.registry import Registry, import_submodules
+from posttrain_jax.registry import Registry
 
 TOOL_ERROR_CAUSES = ("malformed", "unknown_tool", "bad_arguments", "tool_failed", "tool_timeout")
 
@@ -227,7 +227,7 @@ class EnvSpec:
   demonstration: Optional[Callable[[Task, str], list[dict[str, Any]]]] = None
 
 
-ENVS: Registry[EnvSpec] = Registry("environment")
+ENVS: Registry[EnvSpec] = Registry("environment", discover="posttrain_jax.envs")
 
 
 def register_env(name: str, config_cls: type,
@@ -239,14 +239,6 @@ def register_env(name: str, config_cls: type,
   return deco
 
 
-_discovered = False
-
-
 def env_spec(name: str) -> EnvSpec:
   """The registered environment `name` (every module of posttrain_jax.envs is imported)."""
-  global _discovered
-  if not _discovered:
-    import_submodules("posttrain_jax.envs")
-    _discovered = True
   return ENVS.get(name)
-

@@ -25,7 +25,7 @@ from posttrain_jax.envs.sandbox import SandboxConfig, SandboxError, UnsafePathEr
 from posttrain_jax.envs.synthetic import GeneratorError, register_generator
 from posttrain_jax.envs.task import Task
 from posttrain_jax.envs.tool_calls import ToolCall, render_call
-from posttrain_jax.envs.tool_math import open_session
+from posttrain_jax.envs.tool_math import TOOL_SANDBOX, open_session
 
 KINDS = ("sum", "replace")
 _WORDS = ("apple", "river", "stone", "cloud", "lamp", "tiger", "paper", "green", "bread", "wind")
@@ -76,8 +76,7 @@ def draw_file_task(cfg: FileTaskTasks, rng: np.random.Generator) -> tuple[str, T
 @dataclasses.dataclass(frozen=True)
 class FileTaskConfig:
   """The environment's settings."""
-  sandbox: SandboxConfig = SandboxConfig(cpu_seconds=2.0, wall_seconds=5.0, memory_mb=256,
-                                         max_processes=16, disk_mb=8, max_output_bytes=2048)
+  sandbox: SandboxConfig = TOOL_SANDBOX
   tool: ToolEnvConfig = ToolEnvConfig()
   max_read_bytes: int = 4096      # read_file returns at most this much
 

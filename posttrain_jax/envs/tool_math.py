@@ -73,11 +73,15 @@ def draw_tool_math(cfg: ToolMathTasks, rng: np.random.Generator) -> tuple[str, T
   return expr, task
 
 
+# Limits of one tool call in the built-in environments: small programs, small outputs.
+TOOL_SANDBOX = SandboxConfig(cpu_seconds=2.0, wall_seconds=5.0, memory_mb=256, max_processes=16,
+                             disk_mb=8, max_output_bytes=2048)
+
+
 @dataclasses.dataclass(frozen=True)
 class ToolMathConfig:
   """The environment's settings."""
-  sandbox: SandboxConfig = SandboxConfig(cpu_seconds=2.0, wall_seconds=5.0, memory_mb=256,
-                                         max_processes=8, disk_mb=8, max_output_bytes=2048)
+  sandbox: SandboxConfig = TOOL_SANDBOX
   tool: ToolEnvConfig = ToolEnvConfig()
   infra_fault_rate: float = 0.0   # injected tool-backend failures per call (benchmarks only)
   fault_seed: int = 0             # their random stream
