@@ -94,6 +94,13 @@ class RLPhaseConfig:
     if self.prompts_per_step * g > self.batch.max_seqs:
       raise ValueError(f"prompts_per_step × rollout.group_size = {self.prompts_per_step * g} "
                        f"sequences exceed batch.max_seqs={self.batch.max_seqs}")
+    ep = (self.episode_config if self.episode_config is not None
+          else episode_spec(self.episode).config_cls())
+    context = getattr(ep, "max_context_tokens", None)
+    if context is not None and context > self.batch.seq_len:
+      raise ValueError(f"episode_config.max_context_tokens={context} > batch.seq_len="
+                       f"{self.batch.seq_len}: an episode's sample would not fit a batch row; "
+                       "raise batch.seq_len or lower max_context_tokens")
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:

@@ -238,3 +238,18 @@ def test_groups_share_the_opening_and_envs_are_closed():
   for g in groups:
     assert len({tuple(t.token_ids[:t.prompt_len]) for t in g}) == 1
     assert len({t.group_id for t in g}) == 1
+
+
+def test_a_context_timeout_keeps_no_glue_past_the_last_turn():
+  """The last tool result can push the stream past max_context_tokens (the next turn then never
+  runs: timeout/context); the sample ends at the last sampled token, inside the context."""
+  long_result = lambda p, k: CALL["hermes"]  # noqa: E731
+  tok, engine, _, groups = run_episode("hermes", "hermes", long_result, turn_max_tokens=40,
+                                       max_context_tokens=len(et.tokenizer("hermes")(
+                                           "x")["input_ids"]) + 420,
+                                       budgets=Budgets(max_turns=50, max_tool_calls=50))
+  (t,) = groups[0]
+  assert t.status is Status.TIMEOUT and t.metrics["ended_by"] == "timeout/context"
+  assert t.loss_mask[-1] == 1 and len(t.token_ids) <= 421
+  last = engine.prompts[-1] + engine.returned[-1]
+  assert t.token_ids == last

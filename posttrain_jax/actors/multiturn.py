@@ -275,6 +275,7 @@ class EnvEpisode:
     out = []
     samples = r.stitcher.samples
     for k, s in enumerate(samples):
+      s = s.through_last_sampled()  # glue after the last turn (a final tool result) trains nothing
       mask = s.loss_mask
       if r.status is Status.TRUNCATED and self.rollout.truncation == "mask":
         mask = [0] * len(mask)

@@ -64,6 +64,11 @@ class Sample:
   def num_sampled(self) -> int:
     return sum(self.loss_mask)
 
+  def through_last_sampled(self) -> "Sample":
+    """This sample up to its last sampled token (itself when nothing was sampled)."""
+    n = max((i + 1 for i, m in enumerate(self.loss_mask) if m), default=len(self.loss_mask))
+    return Sample(self.token_ids[:n], self.loss_mask[:n], self.logprobs[:n], self.versions[:n])
+
 
 class Stitcher:
   """Builds the training samples of one episode (see the module docstring).
