@@ -78,4 +78,5 @@ def test_vllm_model_set_by_the_user_is_refused(tmp_path):
 def test_an_episode_context_longer_than_a_batch_row_is_refused():
   from posttrain_jax.run_config import run_config_from_dict
   with pytest.raises(Exception, match="max_context_tokens=1024 > batch.seq_len=512"):
-    run_config_from_dict({"rl": {"episode": "env", "batch": {"seq_len": 512}}})
+    run_config_from_dict({"rl": {"episode": "env", "prompts_per_step": 2,
+                                 "batch": {"seq_len": 512, "max_seqs": 64}}})
