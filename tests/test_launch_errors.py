@@ -10,7 +10,11 @@ import pytest
 
 from posttrain_jax.config_io import ConfigTypeError
 from posttrain_jax.envs.task_bank import TaskBankError
+from posttrain_jax.envs.synthetic import GeneratorError
 from posttrain_jax.errors import PathNotFoundError, UserError
+from posttrain_jax.models.config import ConfigError
+from posttrain_jax.models.hf_io import CheckpointError
+from posttrain_jax.models.safetensors_io import SafetensorsError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -30,7 +34,9 @@ def _last_error_line(out) -> str:
 
 def test_user_errors_keep_their_builtin_bases():
   for cls, builtin in ((ConfigTypeError, TypeError), (TaskBankError, ValueError),
-                       (PathNotFoundError, FileNotFoundError)):
+                       (PathNotFoundError, FileNotFoundError), (ConfigError, ValueError),
+                       (CheckpointError, ValueError), (SafetensorsError, ValueError),
+                       (GeneratorError, ValueError)):
     assert issubclass(cls, UserError) and issubclass(cls, builtin), cls
 
 
@@ -70,3 +76,24 @@ def test_bad_flags(tmp_path, flag, message):
 def test_bad_config_value(tmp_path):  # a ConfigTypeError from the RunConfig
   last = _last_error_line(_train(tmp_path, "--config.rl.rollout.truncation=clip"))
   assert last.startswith("error: config.rl.rollout") and "'clip'" in last, last
+
+
+def test_unsupported_model_config_is_one_line(tmp_path):
+  """A model directory whose config.json uses a feature we refuse (sliding windows)."""
+  import json
+  from posttrain_jax.models.tiny import TinyModelConfig, build_tiny_model
+  src = build_tiny_model(TinyModelConfig(num_layers=1, hidden_size=32, intermediate_size=64,
+                                         num_heads=2, num_kv_heads=1, head_dim=16))
+  bad = tmp_path / "model"
+  import shutil
+  shutil.copytree(src, bad)
+  conf = json.loads((bad / "config.json").read_text())
+  conf.update(sliding_window=16, use_sliding_window=True)
+  (bad / "config.json").write_text(json.dumps(conf))
+  last = _last_error_line(_train(tmp_path, f"--config.model.path={bad}"))
+  assert last.startswith("error: ") and "sliding" in last, last
+
+
+def test_bad_generator_config_is_one_line(tmp_path):
+  last = _last_error_line(_train(tmp_path, "--config.tasks.generator_config.max_digits=0"))
+  assert last.startswith("error: ") and "digits" in last, last

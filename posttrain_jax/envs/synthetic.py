@@ -31,6 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from posttrain_jax.envs.graders import evaluate_expression, extract_final_answer
+from posttrain_jax.errors import UserError
 from posttrain_jax.envs.task import Prompt, Task, is_held_out
 from posttrain_jax.registry import Registry
 
@@ -39,7 +40,7 @@ _PARTITION_IDS = {TRAIN: 0, EVAL: 1}
 _MAX_DRAWS = 10_000
 
 
-class GeneratorError(ValueError):
+class GeneratorError(UserError, ValueError):
   """A generator config that cannot produce tasks; the message names the field."""
 
 

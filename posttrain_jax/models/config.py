@@ -17,13 +17,14 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 
+from posttrain_jax.errors import UserError
 from posttrain_jax.models import families
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
   """A HF config we cannot serve; the message names the field."""
 
 

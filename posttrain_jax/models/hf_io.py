@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from posttrain_jax import sharding as shd
-from posttrain_jax.errors import PathNotFoundError
+from posttrain_jax.errors import PathNotFoundError, UserError
 from posttrain_jax.models.config import ConfigError, ModelConfig, from_hf_dict, to_hf_dict
 from posttrain_jax.models.decoder import Decoder
 from posttrain_jax.models.fsutil import atomic_directory
@@ -33,7 +33,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
   """A checkpoint that does not match its config; the message names the tensor and file."""
 
 
