@@ -465,6 +465,7 @@ class SandboxSession:
   def close(self) -> None:
     """Kills calls still running, unmounts and removes the work dir. Idempotent."""
     for call in list(self._calls):
+      call.closed_by_session = True   # its result: killed (no report of the command's exit)
       call.stop()
     self._finalizer()
 
@@ -717,6 +718,7 @@ class _Call:
     self.info = bytearray()
     self.init_pidfd: Optional[int] = None   # the init's, once known (-1: unknown or gone)
     self.wait_status: Optional[int] = None  # our child's, once reaped
+    self.closed_by_session = False          # stopped by SandboxSession.close(), not by a limit
     self._lock = threading.Lock()
 
   def _spawn(self) -> None:
@@ -869,6 +871,10 @@ class _Call:
         code = os.waitstatus_to_exitcode(int(fields[0]))
         cpu_s, total_cpu_s = float(fields[1]), float(fields[2])
       except (ValueError, IndexError):
+        if self.closed_by_session:  # close() stopped it (the init may be SIGKILLed under load)
+          return ExecResult(stdout=out.text(), stderr=err.text(), exit_code=-signal.SIGKILL,
+                            timed_out=False, limit=None, wall_s=wall_s,
+                            truncated=out.truncated or err.truncated)
         raise SandboxError(f"the sandbox's init died before reporting (status "
                            f"{os.waitstatus_to_exitcode(self.wait_status)}, report {report!r})")
     limit = killed
