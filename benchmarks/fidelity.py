@@ -31,6 +31,26 @@ convention). The audit runs on each run's metrics.jsonl rows as the trainer wrot
 One PNG per case (naive vs default over RL steps). Ends with one RESULT line.
 
     python benchmarks/fidelity.py --out fidelity.json [--workdir DIR] [--steps 20] [--reuse]
+
+Measured on the 2-core dev box (shared), 2026-12-01: 200 SFT steps + 20 GRPO steps, P=8 × G=8.
+Neither signature appeared. Default --lr 1e-4:
+  infra    len change naive 0.825, default 0.876 (tool calls/episode 0.51→0.37 vs 0.50→0.40)
+  timeout  hard-task timeout share naive 0.283→0.250 (0.884), default 0.283→0.246 (0.869)
+  audit    no flag on any of the four runs
+With --lr 1e-3 all four runs collapsed the same way (len change 0.44 / 0.37, timeout share
+0.23→0.01 under both settings, each flagged length_collapse): sparse tiny gradients, which
+Adam normalises to full-size steps, push the policy to short direct answers whatever the
+scoring, so that lr measures optimiser noise, not the scoring. Why nothing showed up: the SFT
+model is weak (held-out reward 0.17 on 1-digit additions; it often copies the wrong expression
+into the tool), so in case 1 the tool path loses only ≈ 0.1 × 0.17 reward to the faults, and in
+case 2 hard tasks were almost never solved: nearly every hard group had reward 0 for all 8
+episodes (zero variance, no gradient), and the drop mechanism needs successes in the group
+(d log p_timeout ∝ p_s·p_f·(p_f − p_s)). Next: a stronger warm start (more SFT steps, or a
+bigger model) so that the tool path is accurate (case 1) and hard tasks succeed sometimes
+(case 2); then more GRPO steps at lr 1e-4 to 3e-4. Under "drop" the trainer's own
+status/timeout_frac/hard reads 0 at every step (the dropped episodes never reach
+metrics.jsonl), so the audit cannot flag this case from a trainer's metrics even when it
+happens: logging the dropped timeouts (EnvEpisode.counters) per step would let it.
 """
 from __future__ import annotations
 
@@ -186,7 +206,7 @@ def main():
   p.add_argument("--workdir", default="runs/fidelity", help="runs go in WORKDIR/<case>_<mode>")
   p.add_argument("--steps", type=int, default=20, help="GRPO steps per run (audit needs ≥ 16)")
   p.add_argument("--sft_steps", type=int, default=200, help="SFT steps per run")
-  p.add_argument("--lr", type=float, default=1e-3, help="GRPO learning rate")
+  p.add_argument("--lr", type=float, default=1e-4, help="GRPO learning rate (1e-3: see doc)")
   p.add_argument("--cases", default="infra,timeout", help="comma-separated subset of cases")
   p.add_argument("--reuse", action="store_true",
                  help="read runs that already finished in WORKDIR (result.json) and start new ones "
