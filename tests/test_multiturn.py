@@ -253,3 +253,21 @@ def test_a_context_timeout_keeps_no_glue_past_the_last_turn():
   assert t.loss_mask[-1] == 1 and len(t.token_ids) <= 421
   last = engine.prompts[-1] + engine.returned[-1]
   assert t.token_ids == last
+
+
+def test_dropped_timeouts_are_a_visible_filter():
+  """timeouts="drop" (the naive setting) removes episodes: the rollout source's per-step metrics
+  say what fraction, so the audit's filter rule can see it."""
+  from posttrain_jax.actors.rollout import SyncRollouts
+  always_call = lambda p, k: CALL["hermes"]  # noqa: E731
+  tok = et.tokenizer("hermes")
+  stops = et.stop_ids(tok, "hermes")
+  for mode, want in (("drop", 1.0), ("score", 0.0)):
+    ep = EnvEpisode(EnvEpisodeConfig(budgets=Budgets(max_turns=2), timeouts=mode),
+                    et.ScriptedEngine(tok, always_call, stops[0]), tok,
+                    RolloutConfig(group_size=2), stops)
+    source = SyncRollouts(ep, iter([et.calc_task(i) for i in range(4)]), group_size=2,
+                          prompts_per_step=2)
+    _, trajs = source.collect(0)
+    assert len(trajs) == (0 if mode == "drop" else 4)
+    assert source.metrics()["filter/dropped_timeout_frac"] == want

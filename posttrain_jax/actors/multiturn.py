@@ -99,7 +99,8 @@ class EnvEpisode:
                stop_token_ids: Sequence[int]):
     self.cfg, self.engine, self.tokenizer, self.rollout = cfg, engine, tokenizer, rollout
     self.stop_token_ids = tuple(stop_token_ids)
-    self.counters = {"dropped_timeouts": 0}
+    self.counters = {"episodes": 0, "dropped_timeouts": 0}
+    self._window = dict(self.counters)
 
   def _env(self, task, index: int) -> Environment:
     name = self.cfg.env or task.metadata.get("env", "")
@@ -254,7 +255,16 @@ class EnvEpisode:
     else:
       r.prompt = r.stitcher.extend(r.chat)
 
+  def metrics(self) -> dict[str, float]:
+    """Since the last call: `filter/dropped_timeout_frac`, the episodes `timeouts="drop"` took
+    out (0 by default): a filter is never invisible, even the naive one."""
+    d = {k: v - self._window[k] for k, v in self.counters.items()}
+    self._window = dict(self.counters)
+    return {"filter/dropped_timeout_frac": d["dropped_timeouts"] / d["episodes"]
+            if d["episodes"] else 0.0}
+
   def _trajectories(self, r: _Run) -> list[Trajectory]:
+    self.counters["episodes"] += 1
     if r.status is Status.TIMEOUT and self.cfg.timeouts == "drop":
       self.counters["dropped_timeouts"] += 1
       return []

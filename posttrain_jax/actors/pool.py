@@ -379,6 +379,8 @@ class AsyncRollouts:
     d_episodes = out["pool/episodes"]
     out["pool/tasks_per_episode"] = out["pool/groups"] / d_episodes if d_episodes else float("nan")
     out["pool/collect_wait_s"] = self._collect_wait_s
+    if hasattr(self.pool.episode, "metrics"):  # the episode's own filters (multi-turn)
+      out.update(self.pool.episode.metrics())
     out["weight_sync/s"] = self._sync["s"]
     out["weight_sync/gb"] = self._sync["bytes"] / 1e9
     out["weight_sync/s_per_gb"] = (self._sync["s"] / (self._sync["bytes"] / 1e9)

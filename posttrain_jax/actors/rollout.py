@@ -256,6 +256,8 @@ class SyncRollouts:
     out = {f"rollout/{k}": float(v - self._window[k]) for k, v in self._counters.items()}
     out.update({f"rollout/total/{k}": float(v) for k, v in self._counters.items()})
     self._window = dict(self._counters)
+    if hasattr(self.episode, "metrics"):  # the episode's own filters (multi-turn)
+      out.update(self.episode.metrics())
     return out
 
   def state(self) -> dict:
