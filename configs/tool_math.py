@@ -4,6 +4,13 @@ large-number arithmetic (posttrain_jax/envs/tool_math.py). No downloads.
 SFT warm-start on the environment's gold chats (call python, copy its output into the answer),
 then GRPO over groups of whole episodes with the embedded JAX sampler. The python tool runs in
 bubblewrap (`apt-get install bubblewrap`). With vLLM: `--config.rl.engine=vllm`.
+
+Tasks are 4-digit × 4-digit products. What the tiny model must learn is to copy digits: the
+operands into the call, the tool's output into the answer. With fixed-width operands the
+operands sit at a fixed distance from their copy, and SFT learns that copy abruptly (measured
+on the 2-core dev box: loss flat at 0.69-0.70 for 300 steps, then 0.04 by step 350); with
+3-5 digit operands, 500 steps were not enough (loss 0.52). 700 SFT steps leave held-out success
+at about 0.64 (sampled) / 0.69 (greedy); GRPO raises it (0.81 / 0.88 after 20 steps).
 """
 from posttrain_jax.run_config import base_config
 
@@ -16,11 +23,11 @@ def get_config():
                       chat_format="hermes")
   c.tasks.update(source="synthetic", generator="tool_math", seed=0, eval_fraction=0.05,
                  eval_size=64)
-  c.tasks.generator_config = dict(min_digits=3, max_digits=5, ops="*+")
-  c.sft.update(steps=150, batch_size=32)
-  c.sft.learner.optimizer.update(learning_rate=3e-3, warmup_steps=20, decay_steps=150,
-                                 end_lr_ratio=0.1)
-  c.sft.batch.update(rows=32, seq_len=320, max_seqs=32, pack=False)
+  c.tasks.generator_config = dict(min_digits=4, max_digits=4, ops="*")
+  c.sft.update(steps=700, batch_size=16)
+  c.sft.learner.optimizer.update(learning_rate=3e-3, warmup_steps=20, decay_steps=700,
+                                 end_lr_ratio=0.3)
+  c.sft.batch.update(rows=16, seq_len=272, max_seqs=16, pack=False)
   c.rl.update(steps=30, prompts_per_step=8, episode="env")
   c.rl.episode_config = dict(env="tool_math", tool_format="hermes", turn_max_tokens=48,
                              max_context_tokens=448,
