@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from posttrain_jax.envs import sandbox as sandbox_module
+from posttrain_jax.envs import sandbox_call
 from posttrain_jax.envs.sandbox import (
     ExecResult,
     Sandbox,
@@ -721,10 +721,10 @@ def test_close_kills_calls_in_flight(sandbox, marker):
 
 @needs_bwrap
 def test_an_init_that_ignores_sigterm_is_killed(session, marker, monkeypatch, caplog):
-  real_signal = sandbox_module._signal
-  monkeypatch.setattr(sandbox_module, "_signal",  # the init never hears the SIGTERM
+  real_signal = sandbox_call._signal
+  monkeypatch.setattr(sandbox_call, "_signal",  # the init never hears the SIGTERM
                       lambda fd, sig: None if sig == signal.SIGTERM else real_signal(fd, sig))
-  monkeypatch.setattr(sandbox_module, "_STOP_GRACE_S", 0.2)
+  monkeypatch.setattr(sandbox_call, "_STOP_GRACE_S", 0.2)
   r = session.run_python("import time; time.sleep(30)", args=[marker], timeout_s=0.3)
   assert r.limit == "wall" and r.exit_code == -signal.SIGKILL, r
   assert "SIGKILL to the call" in caplog.text
