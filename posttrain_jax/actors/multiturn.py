@@ -101,6 +101,7 @@ class EnvEpisode:
     self.stop_token_ids = tuple(stop_token_ids)
     self.counters = {"episodes": 0, "dropped_timeouts": 0}
     self._window = dict(self.counters)
+    self._env_configs: dict[str, Any] = {}  # environment name -> its converted env_config
 
   def _env(self, task, index: int) -> Environment:
     name = self.cfg.env or task.metadata.get("env", "")
@@ -108,10 +109,12 @@ class EnvEpisode:
       raise InvalidTaskError(index, f"task {task.id!r} names no environment (metadata['env']) "
                              "and EnvEpisodeConfig.env is empty")
     spec = env_spec(name)
-    env_cfg = (self.cfg.env_config if isinstance(self.cfg.env_config, spec.config_cls)
-               else from_dict(spec.config_cls, dict(self.cfg.env_config or {}),
-                              "config.rl.episode_config.env_config"))
-    return spec.build(env_cfg)
+    if name not in self._env_configs:  # converted once per environment, not once per episode
+      self._env_configs[name] = (
+          self.cfg.env_config if isinstance(self.cfg.env_config, spec.config_cls)
+          else from_dict(spec.config_cls, dict(self.cfg.env_config or {}),
+                         "config.rl.episode_config.env_config"))
+    return spec.build(self._env_configs[name])
 
   async def run(self, items: Sequence[WorkItem], seed: int) -> list[list[Trajectory]]:
     runs: list[_Run] = []
