@@ -51,6 +51,11 @@ def test_tool_math_tasks_replay_from_the_seed():
   assert {t.metadata["difficulty"] for t in hard} == {"hard"}
   assert all(len(str(t.metadata["expression"]).split("*")[0]) == 9 for t in hard
              if "*" in t.metadata["expression"])
+  mixed = distinct_tasks("tool_math", ToolMathTasks(min_digits=2, max_digits=2, ops="+",
+                                                   hard_fraction=0.5, hard_digits=2, hard_ops="*"),
+                         40, seed=0, partition="train")
+  ops = {(t.metadata["difficulty"], "*" if "*" in t.metadata["expression"] else "+") for t in mixed}
+  assert ops == {("easy", "+"), ("hard", "*")}
 
 
 def test_tool_math_solved_with_the_sandboxed_tool():

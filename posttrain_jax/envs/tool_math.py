@@ -2,8 +2,9 @@
 
 Tasks (generator "tool_math", replayable from the task bank's seed): "Compute 48213*7719." with
 operands of `min_digits`..`max_digits` digits (a fraction `hard_fraction` of them labelled
-"hard", with `hard_digits`-digit operands). A tiny model cannot multiply six-digit numbers in its
-head; it can write `print(48213*7719)` and copy the result:
+"hard", with `hard_digits`-digit operands and an operator from `hard_ops`, if given). A tiny
+model cannot multiply six-digit numbers in its head; it can write `print(48213*7719)` and copy
+the result:
 
     user       Compute 48213*7719.
     assistant  <tool_call>{"name": "python", "arguments": {"code": "print(48213*7719)"}}</tool_call>
@@ -45,6 +46,7 @@ class ToolMathTasks:
   ops: str = "*"                  # operators drawn from, any of "+-*"
   hard_fraction: float = 0.0      # tasks labelled "hard" (metadata["difficulty"])
   hard_digits: int = 12           # operand digits of a hard task
+  hard_ops: str = ""              # operators of a hard task ("" = ops)
   prompt_template: str = "Compute {expr}."
 
   def __post_init__(self):
@@ -53,6 +55,9 @@ class ToolMathTasks:
                            f"{self.min_digits}..{self.max_digits}")
     if not self.ops or set(self.ops) - set("+-*"):
       raise GeneratorError(f"ToolMathTasks.ops must be a non-empty subset of '+-*', got {self.ops!r}")
+    if set(self.hard_ops) - set("+-*"):
+      raise GeneratorError(f"ToolMathTasks.hard_ops must be a subset of '+-*', got "
+                           f"{self.hard_ops!r}")
     if not 0.0 <= self.hard_fraction <= 1.0:
       raise GeneratorError(f"ToolMathTasks.hard_fraction must be in [0, 1], got {self.hard_fraction}")
 
@@ -63,7 +68,8 @@ def draw_tool_math(cfg: ToolMathTasks, rng: np.random.Generator) -> tuple[str, T
   digits = [cfg.hard_digits] * 2 if hard else [
       int(rng.integers(cfg.min_digits, cfg.max_digits + 1)) for _ in range(2)]
   a, b = (int(rng.integers(10 ** (d - 1), 10 ** d)) for d in digits)
-  op = cfg.ops[int(rng.integers(len(cfg.ops)))]
+  ops = cfg.hard_ops if hard and cfg.hard_ops else cfg.ops
+  op = ops[int(rng.integers(len(ops)))]
   expr = f"{a}{op}{b}"
   value = {"+": a + b, "-": a - b, "*": a * b}[op]
   task = Task(id=f"tool_math:{expr}", prompt=cfg.prompt_template.format(expr=expr),
