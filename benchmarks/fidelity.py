@@ -32,25 +32,34 @@ One PNG per case (naive vs default over RL steps). Ends with one RESULT line.
 
     python benchmarks/fidelity.py --out fidelity.json [--workdir DIR] [--steps 20] [--reuse]
 
-Measured on the 2-core dev box (shared), 2026-12-01: 200 SFT steps + 20 GRPO steps, P=8 × G=8.
-Neither signature appeared. Default --lr 1e-4:
-  infra    len change naive 0.825, default 0.876 (tool calls/episode 0.51→0.37 vs 0.50→0.40)
-  timeout  hard-task timeout share naive 0.283→0.250 (0.884), default 0.283→0.246 (0.869)
-  audit    no flag on any of the four runs
-With --lr 1e-3 all four runs collapsed the same way (len change 0.44 / 0.37, timeout share
-0.23→0.01 under both settings, each flagged length_collapse): sparse tiny gradients, which
-Adam normalises to full-size steps, push the policy to short direct answers whatever the
-scoring, so that lr measures optimiser noise, not the scoring. Why nothing showed up: the SFT
-model is weak (held-out reward 0.17 on 1-digit additions; it often copies the wrong expression
-into the tool), so in case 1 the tool path loses only ≈ 0.1 × 0.17 reward to the faults, and in
-case 2 hard tasks were almost never solved: nearly every hard group had reward 0 for all 8
-episodes (zero variance, no gradient), and the drop mechanism needs successes in the group
-(d log p_timeout ∝ p_s·p_f·(p_f − p_s)). Next: a stronger warm start (more SFT steps, or a
-bigger model) so that the tool path is accurate (case 1) and hard tasks succeed sometimes
-(case 2); then more GRPO steps at lr 1e-4 to 3e-4. Under "drop" the trainer's own
-status/timeout_frac/hard reads 0 at every step (the dropped episodes never reach
-metrics.jsonl), so the audit cannot flag this case from a trainer's metrics even when it
-happens: logging the dropped timeouts (EnvEpisode.counters) per step would let it.
+Measured on the 2-core dev box, 2026-12-01 (P=8 × G=8, 20 GRPO steps per run). Neither
+signature has appeared yet; the warm start is the blocker, not the scoring.
+  run A: 2-layer model, 200 SFT steps at batch 32, GRPO lr 1e-4
+    infra    len change naive 0.825, default 0.876; timeout share change 0.884 vs 0.869; no flag.
+    (lr 1e-3: all four runs collapsed alike to short direct answers, each flagged
+    length_collapse: Adam-normalised noise, not the scoring.)
+  run B (the defaults now): 4-layer model (configs/tool_math.py's), 600 SFT steps at batch 16,
+  GRPO lr 3e-4:
+    RESULT naive_len_change=1.177 default_len_change=1.195 naive_timeout_change=0.709
+           default_timeout_change=0.772 flagged_naive=0 flagged_default=0
+    infra: both runs moved TO the tool (tool calls/episode 0.69 → 0.92 naive, 0.69 → 0.94
+    default) because the tool path was the more accurate one (0.68 vs 0.55 correct on
+    1-digit additions at the start): a 13-point accuracy gap outweighs the 10% fault cost that
+    naive scoring adds. timeout: reward 0.02 → 0.06: the warm start does not copy operands
+    (`Compute 4*4.` → `print(3*7)`), hard groups are all-zero, no gradient reaches the stall.
+  run C: timeout case with both difficulties at one operand width (2-digit sums easy,
+  2-digit products hard: `ToolMathTasks.hard_ops`), 700 SFT steps: still no copying
+  (`Compute 25+93.` → `print(28+84)`: the model writes operands that roughly sum right), reward
+  0.00-0.02 for 17 steps; stopped.
+What differs from configs/tool_math.py, where SFT does learn to copy (loss 0.69 → 0.04 at step
+~350, held-out 0.64 → 0.82 after GRPO): there the answer cannot be computed in the head, so
+copying is the only way to lower the loss; here half the demonstrations answer directly from
+the operands, which rewards computing over copying, and the copy circuit never forms. Next:
+warm-start both cases from a tool_math SFT model (it copies), then SFT on these
+demonstrations; case 1 then needs the direct and tool paths about equally accurate, so that the
+faults are the only difference between them. The trainer now logs filter/dropped_timeout_frac
+under timeouts="drop", so the audit sees dropped timeouts through filter_growing; the
+benchmark's own count (fidelity/timeout_frac/<difficulty>) also splits them by difficulty.
 """
 from __future__ import annotations
 
@@ -68,9 +77,9 @@ from posttrain_jax.metrics import read_metrics
 from posttrain_jax.trainer import Trainer, run_config_from_dict
 from posttrain_jax.types import Status
 
-MODEL = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 384, "num_layers": 2,
-         "num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "corpus_lines": 800,
-         "chat_format": "hermes", "seed": 0}
+MODEL = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 384, "num_layers": 4,
+         "num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "chat_format": "hermes",
+         "seed": 0}  # configs/tool_math.py's model: it learns to copy digits (module doc)
 CASES = {  # case -> (task generator config, naive / default episode settings, measured key)
     "infra": ({"min_digits": 1, "max_digits": 1, "ops": "+"},
               {"infra_scoring": "zero"}, {"infra_scoring": "exclude"}, "response_len/mean"),
@@ -89,11 +98,11 @@ def run_config(workdir: pathlib.Path, case: str, naive: bool, steps: int, sft_st
       "model": {"tiny": MODEL},
       "tasks": {"source": "synthetic", "generator": "tool_math", "seed": 0,
                 "eval_fraction": 0.05, "eval_size": 16, "generator_config": gen},
-      "sft": {"steps": sft_steps, "batch_size": 32,
-              "batch": {"rows": 32, "seq_len": 352, "max_seqs": 32, "pack": False},
-              "learner": {"loss": "sft", "optimizer": {"learning_rate": 3e-3, "warmup_steps": 10,
+      "sft": {"steps": sft_steps, "batch_size": 16,
+              "batch": {"rows": 16, "seq_len": 352, "max_seqs": 16, "pack": False},
+              "learner": {"loss": "sft", "optimizer": {"learning_rate": 3e-3, "warmup_steps": 20,
                                                        "decay_steps": sft_steps,
-                                                       "end_lr_ratio": 0.1}}},
+                                                       "end_lr_ratio": 0.3}}},
       "rl": {"steps": steps, "prompts_per_step": 8, "episode": "env",
              "episode_config": {"env": "tool_math_fidelity", "env_config": env_config,
                                 "tool_format": "hermes", "turn_max_tokens": 40,
@@ -205,8 +214,8 @@ def main():
   p.add_argument("--out", required=True, help="the JSON summary")
   p.add_argument("--workdir", default="runs/fidelity", help="runs go in WORKDIR/<case>_<mode>")
   p.add_argument("--steps", type=int, default=20, help="GRPO steps per run (audit needs ≥ 16)")
-  p.add_argument("--sft_steps", type=int, default=200, help="SFT steps per run")
-  p.add_argument("--lr", type=float, default=1e-4, help="GRPO learning rate (1e-3: see doc)")
+  p.add_argument("--sft_steps", type=int, default=600, help="SFT steps per run")
+  p.add_argument("--lr", type=float, default=3e-4, help="GRPO learning rate (1e-3: see doc)")
   p.add_argument("--cases", default="infra,timeout", help="comma-separated subset of cases")
   p.add_argument("--reuse", action="store_true",
                  help="read runs that already finished in WORKDIR (result.json) and start new ones "
