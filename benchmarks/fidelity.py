@@ -54,12 +54,18 @@ signature has appeared yet; the warm start is the blocker, not the scoring.
 What differs from configs/tool_math.py, where SFT does learn to copy (loss 0.69 → 0.04 at step
 ~350, held-out 0.64 → 0.82 after GRPO): there the answer cannot be computed in the head, so
 copying is the only way to lower the loss; here half the demonstrations answer directly from
-the operands, which rewards computing over copying, and the copy circuit never forms. Next:
-warm-start both cases from a tool_math SFT model (it copies), then SFT on these
-demonstrations; case 1 then needs the direct and tool paths about equally accurate, so that the
-faults are the only difference between them. The trainer now logs filter/dropped_timeout_frac
-under timeouts="drop", so the audit sees dropped timeouts through filter_growing; the
-benchmark's own count (fidelity/timeout_frac/<difficulty>) also splits them by difficulty.
+the operands, which rewards computing over copying, and the copy circuit never forms.
+  run D: run C warm-started from the tool_math SFT model (which copies 4-digit operands), 300
+  SFT steps at lr 1e-3: no copying either (`Compute 50+39.` → `print(17+31)`). What the tiny model
+  learns is a copy at a fixed distance, which does not carry over to another prompt layout.
+Next: tool_math's exact layout (4-digit × 4-digit products, where copying forms), with cases
+whose paths differ only in what is measured. Case 2: every task hard, demonstrations tool /
+direct / direct / stall (direct always fails). Case 1: tool paths only, 1 call vs 3 calls at
+equal accuracy, so naive scoring exposes the longer path to 27% faults instead of 10%, and an
+all-short policy ends near 0.63× the start length (the audit flags below 0.7).
+The trainer now logs filter/dropped_timeout_frac under timeouts="drop", so the audit sees
+dropped timeouts through filter_growing; the benchmark's own count
+(fidelity/timeout_frac/<difficulty>) also splits them by difficulty.
 """
 from __future__ import annotations
 
