@@ -58,9 +58,17 @@ the operands, which rewards computing over copying, and the copy circuit never f
   run D: run C warm-started from the tool_math SFT model (which copies 4-digit operands), 300
   SFT steps at lr 1e-3: no copying either (`Compute 50+39.` → `print(17+31)`). What the tiny model
   learns is a copy at a fixed distance, which does not carry over to another prompt layout.
+  run E: timeout case in tool_math's layout (every task a 4-digit × 4-digit product, labelled
+  hard; demonstrations tool / direct / direct / stall), warm start from the tool_math SFT
+  model, 200 SFT steps at lr 1e-3: copying works (held-out 0.26 → 0.87 by step 8).
+    naive_timeout_change=0.586 (0.181 → 0.106), default_timeout_change=0.075 (0.166 → 0.013)
+  From step 8 on, "drop" keeps 5-17% of hard episodes timing out while "score" drives them to
+  0-3%: dropped timeouts escape the push-down. They do not rise, though: successes outnumber
+  failures after ~4 steps, and then d log p_timeout ∝ p_s·p_f·(p_f − p_s) < 0. The signature
+  needs hard tasks that stay mostly failed. No audit flag in either run.
 Next: tool_math's exact layout (4-digit × 4-digit products, where copying forms), with cases
-whose paths differ only in what is measured. Case 2: every task hard, demonstrations tool /
-direct / direct / stall (direct always fails). Case 1: tool paths only, 1 call vs 3 calls at
+whose paths differ only in what is measured. Case 2: as run E with a rarer success (p_f > p_s
+throughout). Case 1: tool paths only, 1 call vs 3 calls at
 equal accuracy, so naive scoring exposes the longer path to 27% faults instead of 10%, and an
 all-short policy ends near 0.63× the start length (the audit flags below 0.7).
 The trainer now logs filter/dropped_timeout_frac under timeouts="drop", so the audit sees
