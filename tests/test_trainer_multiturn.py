@@ -1,7 +1,10 @@
 """Multi-turn GRPO through the trainer (rl.episode=env, tool_math): SFT on demonstrations, episode
 rollouts, held-out episodes; the learner's log-probs of the stitched samples equal the engine's
 (what it trains on is exactly what was sampled), with the embedded sampler and with vLLM."""
+import contextlib
+
 import numpy as np
+import pytest
 
 from posttrain_jax.metrics import read_metrics
 from posttrain_jax.trainer import Trainer
@@ -34,27 +37,24 @@ def multiturn_run(workdir, engine="jax", engine_config=None, dims=SMALL):
       eval={"every_steps": 1, "samples_per_prompt": 1, "greedy": False})
 
 
-def check(workdir, result, tol):
+@pytest.mark.parametrize("engine", [
+    "jax", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(
+        not vt.HAVE_VLLM, reason="vLLM is not installed")])])
+def test_multiturn_grpo(tmp_path, engine):
+  """Embedded sampler (learner log-probs within 1e-4 of the engine's) and vLLM (1e-3)."""
+  if engine == "jax":
+    cfg, tol, env = multiturn_run(tmp_path / "run"), 1e-4, contextlib.nullcontext()
+  else:
+    cfg = multiturn_run(tmp_path / "run", "vllm", {"dtype": "float32", "max_model_len": 512,
+                                                   "enforce_eager": True}, dims=VLLM_OK)
+    tol, env = 1e-3, vt.vllm_environment(tmp_path / "vllm_env")
+  with env:
+    result = Trainer(cfg, log=lambda *_: None).run()
   assert result is not None and np.isfinite(result["heldout_after"])
-  rows = [r for r in read_metrics(workdir / "metrics.jsonl") if "reward/mean" in r]
+  rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
   assert [r["policy_version"] for r in rows] == [1, 2]
   for r in rows:
     assert r["episode/turns"] >= 1.0 and "status/timeout_frac" in r and "episode/tool_calls" in r
     assert r["skipped_update"] == 1.0 or r["correction/abs_logp_diff"] < tol, r
-  evals = [r for r in read_metrics(workdir / "metrics.jsonl") if "eval/accuracy" in r]
+  evals = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "eval/accuracy" in r]
   assert len(evals) >= 3 and all(0.0 <= r["eval/accuracy"] <= 1.0 for r in evals)
-
-
-def test_multiturn_grpo_with_the_embedded_sampler(tmp_path):
-  cfg = multiturn_run(tmp_path / "run")
-  result = Trainer(cfg, log=lambda *_: None).run()
-  check(tmp_path / "run", result, 1e-4)
-
-
-@vt.needs_vllm
-def test_multiturn_grpo_with_vllm(tmp_path):
-  cfg = multiturn_run(tmp_path / "run", "vllm", {"dtype": "float32", "max_model_len": 512,
-                                                 "enforce_eager": True}, dims=VLLM_OK)
-  with vt.vllm_environment(tmp_path / "vllm_env"):
-    result = Trainer(cfg, log=lambda *_: None).run()
-  check(tmp_path / "run", result, 1e-3)

@@ -76,6 +76,15 @@ class Episode(Protocol):
     """One graded group per item, in order; raises on our failure (see module docstring)."""
     ...
 
+  # Optional: `metrics() -> dict[str, float]`, the episode's own per-step metrics since the last
+  # call (e.g. a filter it applies); both sources log them (`episode_metrics`).
+
+
+def episode_metrics(episode: Episode) -> dict[str, float]:
+  """The episode's own per-step metrics if it reports any (its optional `metrics()`), else {}."""
+  report = getattr(episode, "metrics", None)
+  return report() if report is not None else {}
+
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeContext:

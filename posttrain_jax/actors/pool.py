@@ -52,8 +52,8 @@ import jax
 import jax.numpy as jnp
 
 from posttrain_jax.actors.episode import (
-    Episode, InvalidTaskError, RetryConfig, WorkItem, all_infra, drop_invalid, infra_group,
-    requeue_or_give_up)
+    Episode, InvalidTaskError, RetryConfig, WorkItem, all_infra, drop_invalid, episode_metrics,
+    infra_group, requeue_or_give_up)
 from posttrain_jax.actors.rollout import DataExhaustedError, draw_task, exhausted
 from posttrain_jax.engines.base import Engine
 from posttrain_jax.envs import Task
@@ -379,8 +379,7 @@ class AsyncRollouts:
     d_episodes = out["pool/episodes"]
     out["pool/tasks_per_episode"] = out["pool/groups"] / d_episodes if d_episodes else float("nan")
     out["pool/collect_wait_s"] = self._collect_wait_s
-    if hasattr(self.pool.episode, "metrics"):  # the episode's own filters (multi-turn)
-      out.update(self.pool.episode.metrics())
+    out.update(episode_metrics(self.pool.episode))  # the episode's own filters (multi-turn)
     out["weight_sync/s"] = self._sync["s"]
     out["weight_sync/gb"] = self._sync["bytes"] / 1e9
     out["weight_sync/s_per_gb"] = (self._sync["s"] / (self._sync["bytes"] / 1e9)

@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 
 from posttrain_jax.actors.episode import (
     EpisodeContext, InvalidTaskError, RetryConfig, WorkItem, all_infra, drop_invalid,
-    infra_group, register_episode, requeue_or_give_up)
+    episode_metrics, infra_group, register_episode, requeue_or_give_up)
 from posttrain_jax.engines.base import Completion, Engine, PromptTooLongError, SamplingParams
 from posttrain_jax.envs import GradeResult, Task
 from posttrain_jax.errors import UserError
@@ -256,8 +256,7 @@ class SyncRollouts:
     out = {f"rollout/{k}": float(v - self._window[k]) for k, v in self._counters.items()}
     out.update({f"rollout/total/{k}": float(v) for k, v in self._counters.items()})
     self._window = dict(self._counters)
-    if hasattr(self.episode, "metrics"):  # the episode's own filters (multi-turn)
-      out.update(self.episode.metrics())
+    out.update(episode_metrics(self.episode))  # the episode's own filters (multi-turn)
     return out
 
   def state(self) -> dict:
