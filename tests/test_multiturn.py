@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from posttrain_jax.actors.episode import WorkItem
-from posttrain_jax.actors.multiturn import EnvEpisode, EnvEpisodeConfig
+from posttrain_jax.actors.multiturn import EnvEpisode, EnvEpisodeConfig, evaluate_episodes
 from posttrain_jax.actors.rollout import RolloutConfig
 from posttrain_jax.envs.env import Budgets, EnvInfraError, ToolEnvConfig
 from posttrain_jax.types import Status
@@ -210,6 +210,25 @@ def test_an_infra_failure_is_excluded_not_scored():
   naive = run_episode("hermes", "hermes", tool_then_answer("hermes"), tasks=[task],
                       infra_scoring="zero")[3]
   assert naive[0][0].status is Status.OK and naive[0][0].reward == 0.0
+
+
+def test_held_out_success_leaves_infra_failures_out_under_naive_scoring():
+  """evaluate_episodes measures the policy: a task whose tool backend is down counts for
+  nothing there, even when training scores it 0 (infra_scoring="zero")."""
+  test_an_infra_failure_is_excluded_not_scored()  # registers test_down
+  tasks = [et.calc_task(0, env="test_down"), et.calc_task(1)]
+  tok = et.tokenizer("hermes")
+  stops = et.stop_ids(tok, "hermes")
+  # every first turn calls the tool, every turn after its result answers
+  script = lambda prompt, k: "The answer is 5." if "<tool_response>" in prompt else CALL["hermes"]  # noqa: E731
+  engine = et.ScriptedEngine(tok, script, stops[0])
+  for scoring in ("zero", "exclude"):
+    ep = EnvEpisode(EnvEpisodeConfig(infra_scoring=scoring), engine, tok,
+                    RolloutConfig(group_size=1), stops)
+    trained = asyncio.run(ep.run([WorkItem(i, t) for i, t in enumerate(tasks)], seed=0))
+    assert [t.reward for g in trained for t in g] == ([0.0, 1.0] if scoring == "zero"
+                                                       else [None, 1.0])
+    assert evaluate_episodes(ep, tasks, temperature=1.0, n=2, seed=0) == 1.0
 
 
 def test_aborted_turn_is_infra_and_truncated_turn_follows_the_policy():

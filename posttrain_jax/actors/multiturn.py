@@ -342,9 +342,12 @@ def demonstration_trajectory(tokenizer, task, cfg: EnvEpisodeConfig,
 
 def evaluate_episodes(episode: "EnvEpisode", tasks, temperature: float, n: int,
                       seed: int) -> float:
-  """Mean reward of `n` episodes per held-out task at `temperature` (infra errors left out)."""
+  """Mean reward of `n` episodes per held-out task at `temperature`, infra errors left out
+  whatever the training scoring: `infra_scoring="zero"` (the naive benchmark setting) would make
+  held-out success measure the tool backend's faults, not the policy."""
   rollout = dataclasses.replace(episode.rollout, group_size=n, temperature=temperature)
-  ev = EnvEpisode(episode.cfg, episode.engine, episode.tokenizer, rollout, episode.stop_token_ids)
+  cfg = dataclasses.replace(episode.cfg, infra_scoring="exclude")
+  ev = EnvEpisode(cfg, episode.engine, episode.tokenizer, rollout, episode.stop_token_ids)
   groups = asyncio.run(ev.run([WorkItem(-1 - i, t) for i, t in enumerate(tasks)], seed))
   rewards = [t.reward for g in groups for t in g
              if t.status is not Status.INFRA_ERROR and t.metrics.get("sample_index", 0) == 0]
