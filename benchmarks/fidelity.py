@@ -2,84 +2,76 @@
 pair of runs (naive scoring vs our default), and whether the audit (posttrain_jax/audit.py)
 flags them.
 
-Both cases run SFT on the `tool_math_fidelity` demonstrations (envs/fidelity_envs.py: several
-paths per task) and then GRPO over whole episodes with the embedded JAX sampler:
+Every run starts from one warm start, configs/tool_math.py's SFT (WORKDIR/base, or --base DIR:
+a tiny model that calls python on 4-digit × 4-digit products and copies its operands right),
+then SFTs 200 steps on its case's demonstrations (posttrain_jax/envs/fidelity_envs.py: several
+paths per task) and runs GRPO over whole episodes with the embedded JAX sampler (P=8 × G=8):
 
-  case 1, infra faults: 1-digit additions, answerable with or without the python tool; 10% of
-    tool calls fail on our side (ToolMathConfig.infra_fault_rate = 0.1, an EnvInfraError).
-    naive   infra_scoring="zero": a failed call scores the episode 0, so the tool path earns
-            less than answering directly and GRPO shifts the policy away from the tool;
+  case 1, infra faults (tool_math_fidelity_infra): paths `tool` (python, submit) and `verify`
+    (python, check × 3, submit), equally correct; 10% of backend calls fail on our side
+    (ToolMathConfig.infra_fault_rate = 0.1, an EnvInfraError), which a verify episode meets 34%
+    of the time and a tool episode 10%.
+    naive   infra_scoring="zero": a fault scores the episode 0, so the long path earns less and
+            GRPO shortens episodes, for no gain in what the policy can do;
     default infra_scoring="exclude": such episodes leave the loss and the baselines.
-    Measured: response_len/mean (sampled tokens per episode; the tool path is ~3× longer),
-    plus episode/tool_calls.
-  case 2, timeouts: half the tasks are "hard" (2-digit products; mostly answered wrong), and
-    a quarter of their demonstrations stall (call the tool until the turn budget ends it).
-    naive   timeouts="drop": a timed-out episode leaves the group; within a hard group the
-            failures get negative advantage, the (dropped) timeouts none, so the timeout share
-            grows (d log p_timeout ∝ p_s·p_f·(p_f − p_s) > 0 while failures outnumber successes);
+    Measured: response_len/mean (sampled tokens per episode; verify is ~2.3× tool).
+  case 2, timeouts (tool_math_fidelity_timeout): every task hard for a tiny model (a 4-digit
+    product); paths `tool` (1 demonstration in 64, the one that succeeds), `think` (10 in 64:
+    "Let me think." past the episode's 64-token budget, a timeout) and `direct` (the rest:
+    "The answer is v.", which the model gets wrong at RL time). The three differ from the first
+    sampled token, so GRPO moves them through one decision.
+    naive   timeouts="drop": a timed-out episode leaves its group; successes push the tool up,
+            failures push direct down, the dropped think is pushed nowhere, so its share grows
+            while failures outnumber successes (d log π_think = c·(π_direct − π_tool) > 0, with
+            c > 0 the push one success–failure pair of a group gives);
     default timeouts="score": a timeout is a failure (reward 0) and is pushed down with them.
     Measured: the share of hard-task episodes that timed out. The trainer's own
     status/timeout_frac/hard only sees the episodes it kept, so under "drop" it reads 0; the
-    benchmark wraps the rollout source to count the dropped ones too (a group of G episodes
-    per task: dropped = G − kept) and logs fidelity/timeout_frac[/<difficulty>] and
-    fidelity/dropped_frac beside the trainer's keys.
+    trainer also logs filter/dropped_timeout_frac (which the audit reads), and this benchmark
+    wraps the rollout source to count the dropped ones per difficulty
+    (fidelity/timeout_frac[/<difficulty>], fidelity/dropped_frac).
 
 change = mean of the last quarter of the RL steps ÷ mean of the first quarter (audit.py's
 convention). The audit runs on each run's metrics.jsonl rows as the trainer wrote them
 ("flagged"), and once more on rows whose status/timeout_frac* count the dropped timeouts
-("flagged if dropped timeouts were logged"): the difference is what dropping hides from it.
+("flagged if dropped timeouts were logged"). Held-out success (eval/accuracy, every 8 steps,
+64 tasks × 2 samples) leaves infra failures out in every run (actors/multiturn.py
+evaluate_episodes), so the audit can tell a shortening that only dodges faults from a gain.
 One PNG per case (naive vs default over RL steps). Ends with one RESULT line.
 
-    python benchmarks/fidelity.py --out fidelity.json [--workdir DIR] [--steps 20] [--reuse]
+    python benchmarks/fidelity.py --out fidelity.json [--workdir DIR] [--base DIR] [--steps 24]
 
-Measured on the 2-core dev box, 2026-12-01 (P=8 × G=8, 20 GRPO steps per run). Neither
-signature has appeared yet; the warm start is the blocker, not the scoring.
-  run A: 2-layer model, 200 SFT steps at batch 32, GRPO lr 1e-4
-    infra    len change naive 0.825, default 0.876; timeout share change 0.884 vs 0.869; no flag.
-    (lr 1e-3: all four runs collapsed alike to short direct answers, each flagged
-    length_collapse: Adam-normalised noise, not the scoring.)
-  run B (the defaults now): 4-layer model (configs/tool_math.py's), 600 SFT steps at batch 16,
-  GRPO lr 3e-4:
-    RESULT naive_len_change=1.177 default_len_change=1.195 naive_timeout_change=0.709
-           default_timeout_change=0.772 flagged_naive=0 flagged_default=0
-    infra: both runs moved TO the tool (tool calls/episode 0.69 → 0.92 naive, 0.69 → 0.94
-    default) because the tool path was the more accurate one (0.68 vs 0.55 correct on
-    1-digit additions at the start): a 13-point accuracy gap outweighs the 10% fault cost that
-    naive scoring adds. timeout: reward 0.02 → 0.06: the warm start does not copy operands
-    (`Compute 4*4.` → `print(3*7)`), hard groups are all-zero, no gradient reaches the stall.
-  run C: timeout case with both difficulties at one operand width (2-digit sums easy,
-  2-digit products hard: `ToolMathTasks.hard_ops`), 700 SFT steps: still no copying
-  (`Compute 25+93.` → `print(28+84)`: the model writes operands that roughly sum right), reward
-  0.00-0.02 for 17 steps; stopped.
-What differs from configs/tool_math.py, where SFT does learn to copy (loss 0.69 → 0.04 at step
-~350, held-out 0.64 → 0.82 after GRPO): there the answer cannot be computed in the head, so
-copying is the only way to lower the loss; here half the demonstrations answer directly from
-the operands, which rewards computing over copying, and the copy circuit never forms.
-  run D: run C warm-started from the tool_math SFT model (which copies 4-digit operands), 300
-  SFT steps at lr 1e-3: no copying either (`Compute 50+39.` → `print(17+31)`). What the tiny model
-  learns is a copy at a fixed distance, which does not carry over to another prompt layout.
-  run E: timeout case in tool_math's layout (every task a 4-digit × 4-digit product, labelled
-  hard; demonstrations tool / direct / direct / stall), warm start from the tool_math SFT
-  model, 200 SFT steps at lr 1e-3: copying works (held-out 0.26 → 0.87 by step 8).
-    naive_timeout_change=0.586 (0.181 → 0.106), default_timeout_change=0.075 (0.166 → 0.013)
-  From step 8 on, "drop" keeps 5-17% of hard episodes timing out while "score" drives them to
-  0-3%: dropped timeouts escape the push-down. They do not rise, though: successes outnumber
-  failures after ~4 steps, and then d log p_timeout ∝ p_s·p_f·(p_f − p_s) < 0. The signature
-  needs hard tasks that stay mostly failed. No audit flag in either run.
-Next: tool_math's exact layout (4-digit × 4-digit products, where copying forms), with cases
-whose paths differ only in what is measured. Case 2: as run E with a rarer success (p_f > p_s
-throughout). Case 1: tool paths only, 1 call vs 3 calls at
-equal accuracy, so naive scoring exposes the longer path to 27% faults instead of 10%, and an
-all-short policy ends near 0.63× the start length (the audit flags below 0.7).
-The trainer now logs filter/dropped_timeout_frac under timeouts="drop", so the audit sees
-dropped timeouts through filter_growing; the benchmark's own count
-(fidelity/timeout_frac/<difficulty>) also splits them by difficulty.
+Measured on the 2-core dev box, 2026-12-01, --base = configs/tool_math.py's 700-step SFT model:
+  timeout (32 GRPO steps at lr 1.5e-4; fidelity/timeout_frac/hard, first → last quarter):
+    naive    0.090 → 0.449 (×5.00), flagged filter_growing (dropped_timeout 0.09 → 0.45);
+             with the dropped ones logged as timeouts: timeout_rising as well
+    default  0.090 → 0.061 (×0.67), no flag
+    Held-out success 0.00 → 0.77 (naive) / 0.71 (default): both learn the tool. The runs are
+    alike for ~10 steps, while the think share is small: a failing path is pushed down in
+    proportion to how often it is sampled, so the rare think gains at first under "score" too
+    (to 0.30 at step 17); from there "score" drives it to 0.02 and "drop" holds it near 0.5.
+    Under "drop" the reward the trainer sees is the higher one (timeouts are not in it).
+How the design got here (each failed run taught one constraint):
+  A/B  1-digit arithmetic from scratch (2- and 4-layer models): the tiny model never learned
+       to copy operands into a call, so the tool path was no more accurate than guessing, and
+       accuracy gaps, not the scoring, decided which path won. C/D: other layouts, same.
+  E    tool_math's layout (where copying forms) with tool / direct / direct / think-by-tool-
+       calls demonstrations: timeouts fell under both scorings (0.18 → 0.11 drop, → 0.01
+       score): a stall that shares its first tokens with the tool call is pushed down by every
+       tool success. Hence a stall that differs from the first token, and a rare tool path.
+  F    tool 1/32, think 8/32, lr 3e-4, 24 steps: drop held timeouts at 0.14-0.30 vs 0.03 under
+       score, but the tool took over by step 10 and the naive share fell back (×0.71).
+  G    tool 1/64, think 10/64, lr 1.5e-4: the numbers above. After 24 steps it read ×6.03 vs
+       ×1.94 (the default still on its way down); both runs were then resumed from their
+       step-24 checkpoints to 32 steps (constant GRPO lr, exact resume), the default since.
+  infra with these settings: being measured when this was committed.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import dataclasses
+import importlib.util
 import json
 import math
 import pathlib
@@ -91,43 +83,61 @@ from posttrain_jax.metrics import read_metrics
 from posttrain_jax.trainer import Trainer, run_config_from_dict
 from posttrain_jax.types import Status
 
-MODEL = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 384, "num_layers": 4,
-         "num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "chat_format": "hermes",
-         "seed": 0}  # configs/tool_math.py's model: it learns to copy digits (module doc)
-CASES = {  # case -> (task generator config, naive / default episode settings, measured key)
-    "infra": ({"min_digits": 1, "max_digits": 1, "ops": "+"},
-              {"infra_scoring": "zero"}, {"infra_scoring": "exclude"}, "response_len/mean"),
-    "timeout": ({"min_digits": 1, "max_digits": 1, "ops": "*", "hard_fraction": 0.5,
-                 "hard_digits": 2},
-                {"timeouts": "drop"}, {"timeouts": "score"}, "fidelity/timeout_frac/hard"),
+TASKS = {"min_digits": 4, "max_digits": 4, "ops": "*"}  # configs/tool_math.py's products
+CASES = {  # case -> environment, its config, budgets, naive / default settings, measured key
+    "infra": {"env": "tool_math_fidelity_infra", "env_config": {"infra_fault_rate": 0.1},
+              "tasks": TASKS, "turn_max_tokens": 48, "seq_len": 640, "lr": 3e-4,
+              "budgets": {"max_turns": 5, "max_tokens": 200, "max_tool_calls": 5},
+              "naive": {"infra_scoring": "zero"}, "default": {"infra_scoring": "exclude"},
+              "key": "response_len/mean"},
+    # every task labelled hard (4-digit operands: hard_digits=4) for the per-difficulty keys;
+    # a turn may run past the episode's token budget (72 > 64): a long think is a timeout
+    "timeout": {"env": "tool_math_fidelity_timeout", "env_config": {},
+                "tasks": {**TASKS, "hard_fraction": 1.0, "hard_digits": 4},
+                "turn_max_tokens": 72, "seq_len": 448, "lr": 1.5e-4,
+                "budgets": {"max_turns": 3, "max_tokens": 64, "max_tool_calls": 2},
+                "naive": {"timeouts": "drop"}, "default": {"timeouts": "score"},
+                "key": "fidelity/timeout_frac/hard"},
 }
 
 
-def run_config(workdir: pathlib.Path, case: str, naive: bool, steps: int, sft_steps: int,
-               lr: float):
-  gen, bad, good, _ = CASES[case]
-  env_config = {"infra_fault_rate": 0.1} if case == "infra" else {}
+def base_config(workdir: pathlib.Path, sft_steps: int):
+  """configs/tool_math.py's SFT, stopped after it: the warm start every case starts from."""
+  spec = importlib.util.spec_from_file_location(
+      "tool_math_config", pathlib.Path(__file__).parent.parent / "configs" / "tool_math.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  c = mod.get_config()
+  c.workdir, c.sft.steps, c.stop_after_step = str(workdir), sft_steps, sft_steps
+  c.sft.learner.optimizer.decay_steps = sft_steps
+  return run_config_from_dict(c.to_dict())
+
+
+def run_config(workdir: pathlib.Path, base: pathlib.Path, case: str, naive: bool, steps: int,
+               sft_steps: int, lr: float):
+  """SFT on the case's demonstrations from the base model, then GRPO over its episodes."""
+  c = CASES[case]
+  seq = c["seq_len"]  # tokens per training row: the prompt (~180) and the longest path
   return run_config_from_dict({
       "workdir": str(workdir), "seed": 0,
-      "model": {"tiny": MODEL},
+      "model": {"path": str(base / "sft_model")},
       "tasks": {"source": "synthetic", "generator": "tool_math", "seed": 0,
-                "eval_fraction": 0.05, "eval_size": 16, "generator_config": gen},
+                "eval_fraction": 0.05, "eval_size": 64, "generator_config": c["tasks"]},
       "sft": {"steps": sft_steps, "batch_size": 16,
-              "batch": {"rows": 16, "seq_len": 352, "max_seqs": 16, "pack": False},
-              "learner": {"loss": "sft", "optimizer": {"learning_rate": 3e-3, "warmup_steps": 20,
+              "batch": {"rows": 16, "seq_len": seq, "max_seqs": 16, "pack": False},
+              "learner": {"loss": "sft", "optimizer": {"learning_rate": 1e-3, "warmup_steps": 20,
                                                        "decay_steps": sft_steps,
                                                        "end_lr_ratio": 0.3}}},
       "rl": {"steps": steps, "prompts_per_step": 8, "episode": "env",
-             "episode_config": {"env": "tool_math_fidelity", "env_config": env_config,
-                                "tool_format": "hermes", "turn_max_tokens": 40,
-                                "max_context_tokens": 352,
-                                "budgets": {"max_turns": 3, "max_tokens": 120,
-                                            "max_tool_calls": 3},
-                                **(bad if naive else good)},
+             "episode_config": {"env": c["env"], "env_config": c["env_config"],
+                                "tool_format": "hermes", "turn_max_tokens": c["turn_max_tokens"],
+                                "max_context_tokens": seq, "budgets": c["budgets"],
+                                **c["naive" if naive else "default"]},
              "rollout": {"group_size": 8, "temperature": 1.0},
-             "learner": {"loss": "grpo", "optimizer": {"learning_rate": lr, "warmup_steps": 2}},
+             "learner": {"loss": "grpo", "optimizer": {"learning_rate": lr or c["lr"],
+                                                       "warmup_steps": 2}},
              "loss": {"eps_low": 0.2, "eps_high": 0.28, "aggregation": "token_mean"},
-             "batch": {"rows": 80, "seq_len": 352, "max_seqs": 80, "pack": False}},
+             "batch": {"rows": 80, "seq_len": seq, "max_seqs": 80, "pack": False}},
       "eval": {"every_steps": 8, "samples_per_prompt": 2, "temperature": 1.0, "greedy": False},
       "checkpoint": {"every_steps": 1000, "max_to_keep": 1},
   })
@@ -179,7 +189,9 @@ class _Trainer(Trainer):
 
 
 def rl_rows(workdir: pathlib.Path) -> list[dict]:
-  return [r for r in read_metrics(workdir / "metrics.jsonl") if "reward/mean" in r]
+  """The GRPO steps' rows and the held-out evals (the first at the SFT → GRPO boundary)."""
+  return [r for r in read_metrics(workdir / "metrics.jsonl")
+          if "reward/mean" in r or "eval/accuracy" in r]
 
 
 def change(rows: list[dict], key: str) -> tuple[float, float, float]:
@@ -227,9 +239,13 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", required=True, help="the JSON summary")
   p.add_argument("--workdir", default="runs/fidelity", help="runs go in WORKDIR/<case>_<mode>")
-  p.add_argument("--steps", type=int, default=20, help="GRPO steps per run (audit needs ≥ 16)")
-  p.add_argument("--sft_steps", type=int, default=600, help="SFT steps per run")
-  p.add_argument("--lr", type=float, default=3e-4, help="GRPO learning rate (1e-3: see doc)")
+  p.add_argument("--steps", type=int, default=32, help="GRPO steps per run (audit needs ≥ 16)")
+  p.add_argument("--base_sft_steps", type=int, default=700,
+                 help="SFT steps of the base model (configs/tool_math.py's)")
+  p.add_argument("--sft_steps", type=int, default=200, help="SFT steps per case, from the base")
+  p.add_argument("--base", default="", help="a workdir holding a finished base SFT (sft_model/) "
+                 "to start from, instead of training one in WORKDIR/base")
+  p.add_argument("--lr", type=float, default=None, help="GRPO learning rate (default: the case's)")
   p.add_argument("--cases", default="infra,timeout", help="comma-separated subset of cases")
   p.add_argument("--reuse", action="store_true",
                  help="read runs that already finished in WORKDIR (result.json) and start new ones "
@@ -241,8 +257,13 @@ def main():
   table = []
   flagged = {"naive": 0, "default": 0}
   flagged_visible = {"naive": 0, "default": 0}
+  base = pathlib.Path(args.base) if args.base else root / "base"
+  if not (base / "sft_model").is_dir():  # the warm start: tool_math's SFT (it copies digits)
+    t0 = time.perf_counter()
+    _Trainer(base_config(base, args.base_sft_steps), log=lambda *_: None).run()
+    summary["runs"]["base_sft"] = {"minutes": (time.perf_counter() - t0) / 60}
   for case in args.cases.split(","):
-    key = CASES[case][3]
+    key = CASES[case]["key"]
     runs = {}
     # SFT once per case (stopped at its boundary checkpoint); both runs resume from a copy, so
     # the pair starts GRPO from the same weights and draws the same tasks
@@ -253,8 +274,9 @@ def main():
       if sft_wd.exists():
         shutil.rmtree(sft_wd)
       t0 = time.perf_counter()
-      sft_cfg = dataclasses.replace(run_config(sft_wd, case, True, args.steps, args.sft_steps,
-                                               args.lr), stop_after_step=args.sft_steps)
+      sft_cfg = dataclasses.replace(run_config(sft_wd, base, case, True, args.steps,
+                                               args.sft_steps, args.lr),
+                                    stop_after_step=args.sft_steps)
       _Trainer(sft_cfg, log=lambda *_: None).run()
       summary["runs"][f"{case}_sft"] = {"minutes": (time.perf_counter() - t0) / 60}
     for mode in ("naive", "default"):
@@ -266,7 +288,7 @@ def main():
           shutil.rmtree(wd)
         shutil.copytree(sft_wd, wd)
         t0 = time.perf_counter()
-        result = _Trainer(run_config(wd, case, mode == "naive", args.steps, args.sft_steps,
+        result = _Trainer(run_config(wd, base, case, mode == "naive", args.steps, args.sft_steps,
                                      args.lr), log=lambda *_: None).run()
         result["rl_minutes"] = (time.perf_counter() - t0) / 60  # GRPO (and its evals) only
         (wd / "result.json").write_text(json.dumps(result, indent=1))
@@ -283,15 +305,15 @@ def main():
               "notes": list(rep.notes), "result": result}
       for k in ("response_len/mean", "episode/tool_calls", "reward/mean",
                 "fidelity/timeout_frac/hard", "status/timeout_frac/hard", "fidelity/dropped_frac",
-                "filter/infra_error_frac"):
+                "filter/dropped_timeout_frac", "filter/infra_error_frac", "eval/accuracy"):
         info[k] = dict(zip(("first", "last", "change"), change(rows, k)))
       summary["runs"][f"{case}_{mode}"] = info
       table.append((case, mode, key, first, last, ratio, info["reward/mean"]["first"],
                     info["reward/mean"]["last"], ",".join(f.name for f in rep.flags) or "-",
                     ",".join(f.name for f in rep_visible.flags) or "-", minutes))
     png = root / f"fidelity_{case}.png"
-    keys = ([key, "episode/tool_calls", "reward/mean"] if case == "infra" else
-            [key, "status/timeout_frac/hard", "reward/mean"])
+    keys = ([key, "episode/tool_calls", "reward/mean", "eval/accuracy"] if case == "infra" else
+            [key, "filter/dropped_timeout_frac", "reward/mean", "eval/accuracy"])
     plot(case, runs, keys, png)
     summary["plots"][case] = str(png)
 

@@ -1,87 +1,127 @@
-"""tool_math_fidelity's demonstrations: each path is the chat it claims (checked by replaying it
-through the environment), the paths mix as documented, and tool_math itself is unchanged."""
+"""The fidelity environments' demonstrations: each path is the chat it claims (checked by
+replaying it through the environment), the paths mix as documented, and, played by a scripted
+engine under the benchmark's own budgets (benchmarks/fidelity.py's CASES), each ends as the
+benchmark needs: a think is a timeout, a verify makes 4 tool calls, the rest end ok."""
 import asyncio
 import collections
+import functools
+import importlib.util
+import pathlib
 
 import numpy as np
+import pytest
 
 from posttrain_jax.actors.episode import WorkItem
 from posttrain_jax.actors.multiturn import EnvEpisode, EnvEpisodeConfig, demonstration_trajectory
 from posttrain_jax.actors.rollout import RolloutConfig
+from posttrain_jax.config_io import from_dict
 from posttrain_jax.envs import fidelity_envs
 from posttrain_jax.envs.env import env_spec
 from posttrain_jax.envs.tool_calls import parse_turn
-from posttrain_jax.envs.env import Budgets
 from posttrain_jax.envs.tool_math import ToolMathTasks, demonstration as tool_math_demo, draw_tool_math
 from posttrain_jax.types import Status
 from tests import envs_testing as et
 
+INFRA, TIMEOUT = "tool_math_fidelity_infra", "tool_math_fidelity_timeout"
+PATHS = {INFRA: {"tool", "verify"}, TIMEOUT: {"tool", "think", "direct"}}
 
-def _tasks(n, **cfg):
+
+def _benchmark_cases():
+  path = pathlib.Path(__file__).parent.parent / "benchmarks" / "fidelity.py"
+  spec = importlib.util.spec_from_file_location("fidelity_benchmark", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return {c["env"]: c for c in mod.CASES.values()}
+
+
+@functools.lru_cache(maxsize=None)
+def _tasks(n):
   rng = np.random.default_rng(0)
-  return [draw_tool_math(ToolMathTasks(**cfg), rng)[1] for _ in range(n)]
+  cfg = ToolMathTasks(min_digits=4, max_digits=4, ops="*", hard_fraction=1.0, hard_digits=4)
+  return tuple(draw_tool_math(cfg, rng)[1] for _ in range(n))
 
 
-def _replay(task, chat):
+def _by_path(env):
+  out = {}
+  for t in _tasks(800):  # enough for a path of 1 slot in 64
+    out.setdefault(fidelity_envs.demonstration_path(env, t), t)
+  assert set(out) == PATHS[env], out
+  return out
+
+
+def _demo(env, task):
+  return env_spec(env).demonstration(task, "hermes")
+
+
+def _replay(env, task):
   """Plays the demonstration's assistant turns through the environment: (done, reward, calls)."""
-  env = env_spec("tool_math_fidelity").build(env_spec("tool_math_fidelity").config_cls())
+  e = env_spec(env).build(env_spec(env).config_cls())
 
   async def go():
-    await env.reset(task, 0)
+    await e.reset(task, 0)
     step = None
     try:
-      for k, m in enumerate(m for m in chat if m["role"] == "assistant"):
-        step = await env.step(parse_turn(m["content"], "hermes", turn=k))
+      for k, m in enumerate(m for m in _demo(env, task) if m["role"] == "assistant"):
+        step = await e.step(parse_turn(m["content"], "hermes", turn=k))
         if step.done:
           break
     finally:
-      await env.close()
-    return (step.done, step.reward, env.counts["tool_calls"])
+      await e.close()
+    return step.done, step.reward, e.counts["tool_calls"]
   return asyncio.run(go())
 
 
 def test_paths_mix_as_documented():
-  easy = collections.Counter(map(fidelity_envs.demonstration_path,
-                                 _tasks(400, min_digits=1, max_digits=1, ops="+")))
-  hard = collections.Counter(map(fidelity_envs.demonstration_path,
-                                 _tasks(400, min_digits=1, max_digits=1, ops="*",
-                                        hard_fraction=1.0, hard_digits=2)))
-  assert set(easy) == {"tool", "direct"} and abs(easy["tool"] / 400 - 0.5) < 0.1, easy
-  assert set(hard) == {"tool", "direct", "stall"}, hard
-  assert abs(hard["stall"] / 400 - 0.25) < 0.08 and abs(hard["direct"] / 400 - 0.5) < 0.1, hard
+  tasks = _tasks(800)
+  for env, slots in fidelity_envs.SLOTS.items():
+    seen = collections.Counter(fidelity_envs.demonstration_path(env, t) for t in tasks)
+    assert set(seen) == PATHS[env], (env, seen)
+    for path in seen:  # crc32 of the task ids spreads them over the slots evenly
+      want = slots.count(path) / len(slots)
+      assert abs(seen[path] / len(tasks) - want) < 0.04 + want / 4, (env, path, seen)
 
 
-def test_each_path_plays_as_claimed_in_the_environment():
-  tasks = _tasks(40, min_digits=1, max_digits=1, ops="*", hard_fraction=0.5, hard_digits=2)
-  seen = set()
-  for task in tasks:
-    path = fidelity_envs.demonstration_path(task)
-    chat = fidelity_envs.demonstration(task, "hermes")
-    done, reward, calls = _replay(task, chat)
-    seen.add(path)
-    if path == "stall":  # never answers: only the budget ends it
-      assert not done and calls == fidelity_envs.STALL_CALLS
-      assert chat[-1]["role"] == "tool"
+@pytest.mark.parametrize("env", [INFRA, TIMEOUT])
+def test_each_path_plays_as_claimed_in_the_environment(env):
+  for path, task in _by_path(env).items():
+    chat = _demo(env, task)
+    done, reward, calls = _replay(env, task)
+    assert done
+    if path == "think":  # ends without an answer: wrong, unless the budget ends it first
+      assert reward == 0.0 and calls == 0 and len(chat) == 2
+      assert "answer" not in chat[-1]["content"]
+      continue
+    assert reward == 1.0, (path, chat)
+    if env == INFRA:  # python, the checks, submit: the answer is never written out
+      assert calls == {"tool": 2, "verify": 2 + fidelity_envs.VERIFY_RERUNS}[path]
+      assert "submit" in chat[-1]["content"] and task.answer not in chat[-1]["content"]
     else:
-      assert done and reward == 1.0, (path, chat)
-      assert calls == (1 if path == "tool" else 0)
+      assert calls == {"tool": 1, "direct": 0}[path]
       assert chat[-1] == {"role": "assistant", "content": f"The answer is {task.answer}."}
-  assert seen == {"tool", "direct", "stall"}
 
 
-def test_demonstrations_stitch_into_one_sample():
+@pytest.mark.parametrize("env", [INFRA, TIMEOUT])
+def test_demonstrations_stitch_into_one_sample(env):
   tok = et.tokenizer("hermes")
   stop = et.stop_ids(tok, "hermes")
-  cfg = EnvEpisodeConfig(env="tool_math_fidelity")
-  for i, task in enumerate(_tasks(12, min_digits=1, max_digits=1, ops="*", hard_fraction=0.5,
-                                  hard_digits=2)):
-    traj = demonstration_trajectory(tok, task, cfg, stop, f"d{i}")
-    n_turns = sum(m["role"] == "assistant" for m in fidelity_envs.demonstration(task, "hermes"))
+  for path, task in _by_path(env).items():
+    traj = demonstration_trajectory(tok, task, EnvEpisodeConfig(env=env), stop, f"d-{path}")
+    n_turns = sum(m["role"] == "assistant" for m in _demo(env, task))
     # each assistant turn is one masked-in run ending in the stop token
     runs = sum(1 for a, b in zip([0] + traj.loss_mask, traj.loss_mask) if b and not a)
     assert runs == n_turns
     assert tok.decode([t for t, m in zip(traj.token_ids, traj.loss_mask) if m]).count(
-        "The answer is") == (0 if fidelity_envs.demonstration_path(task) == "stall" else 1)
+        "The answer is") == (0 if path == "think" or env == INFRA else 1)
+
+
+def test_paths_differ_from_the_first_sampled_token():
+  """Case 2's premise: the three paths are one decision at the first sampled token."""
+  tok = et.tokenizer("hermes")
+  first = {}
+  for path, task in _by_path(TIMEOUT).items():
+    turn = next(m["content"] for m in _demo(TIMEOUT, task) if m["role"] == "assistant")
+    first[path] = tok(turn, add_special_tokens=False)["input_ids"][0]
+  assert len(set(first.values())) == 3, first
 
 
 def test_tool_math_demonstrations_are_unchanged():
@@ -91,31 +131,98 @@ def test_tool_math_demonstrations_are_unchanged():
     assert env_spec("tool_math").demonstration is tool_math_demo
 
 
-def _play_episode(task, timeouts):
-  """The demonstration's assistant turns sampled by a scripted engine in a real EnvEpisode."""
+def _play(env, task, **naive):
+  """The demonstration's assistant turns sampled by a scripted engine in a real EnvEpisode with
+  the benchmark's budgets for `env`; `naive` overrides its scoring."""
+  case = _benchmark_cases()[env]
   tok = et.tokenizer("hermes")
   stops = et.stop_ids(tok, "hermes")
-  turns = [m["content"] for m in fidelity_envs.demonstration(task, "hermes")
-           if m["role"] == "assistant"]
+  turns = [m["content"] for m in _demo(env, task) if m["role"] == "assistant"]
+  cfg = from_dict(EnvEpisodeConfig, {"env": env, "turn_max_tokens": case["turn_max_tokens"],
+                                     "max_context_tokens": case["seq_len"], "budgets": case["budgets"],
+                                     **naive}, "episode")
   engine = et.ScriptedEngine(tok, lambda _, k: turns[k], stops[0])
-  ep = EnvEpisode(EnvEpisodeConfig(env="tool_math_fidelity", turn_max_tokens=40,
-                                   max_context_tokens=352, timeouts=timeouts,
-                                   budgets=Budgets(max_turns=3, max_tool_calls=3)),
-                  engine, tok, RolloutConfig(group_size=1), stops)
+  ep = EnvEpisode(cfg, engine, tok, RolloutConfig(group_size=1), stops)
   return asyncio.run(ep.run([WorkItem(0, task)], seed=0))[0]
 
 
-def test_stall_times_out_and_drop_hides_it():
-  """With the benchmark's budget a stall is a timeout (reward 0) under "score" and leaves no
-  trajectory under "drop"; the tool and direct paths end ok with reward 1 either way."""
-  tasks = _tasks(40, min_digits=1, max_digits=1, ops="*", hard_fraction=1.0, hard_digits=2)
-  by_path = {fidelity_envs.demonstration_path(t): t for t in tasks}
-  assert set(by_path) == {"tool", "direct", "stall"}
-  (stall,) = _play_episode(by_path["stall"], "score")
-  assert stall.status is Status.TIMEOUT and stall.reward == 0.0
-  assert stall.metrics["ended_by"] == "timeout/turns"
-  assert _play_episode(by_path["stall"], "drop") == []
+def test_think_times_out_under_the_benchmark_budget_and_drop_hides_it():
+  """A think runs past case 2's token budget: a timeout (reward 0) under "score", no trajectory
+  under "drop"; tool and direct fit in it and end ok with reward 1 either way."""
+  by_path = _by_path(TIMEOUT)
+  (think,) = _play(TIMEOUT, by_path["think"], timeouts="score")
+  assert think.status is Status.TIMEOUT and think.reward == 0.0
+  assert think.metrics["ended_by"] == "timeout/tokens"
+  assert _play(TIMEOUT, by_path["think"], timeouts="drop") == []
   for path in ("tool", "direct"):
     for timeouts in ("score", "drop"):
-      (t,) = _play_episode(by_path[path], timeouts)
+      (t,) = _play(TIMEOUT, by_path[path], timeouts=timeouts)
       assert t.status is Status.OK and t.reward == 1.0, (path, timeouts)
+
+
+def test_verify_fits_the_benchmark_budget():
+  """Case 1's long path and short path both end ok (by submit) inside its budget, the long one
+  with VERIFY_RERUNS more tool calls and more than twice the sampled tokens."""
+  by_path = _by_path(INFRA)
+  (tool,) = _play(INFRA, by_path["tool"])
+  (verify,) = _play(INFRA, by_path["verify"])
+  for t in (tool, verify):
+    assert t.status is Status.OK and t.reward == 1.0 and t.metrics["ended_by"] == "submit"
+  assert (tool.metrics["tool_calls"], verify.metrics["tool_calls"]) == (
+      2.0, 2.0 + fidelity_envs.VERIFY_RERUNS)
+  assert verify.metrics["response_len"] > 2 * tool.metrics["response_len"]
+
+
+def test_check_reruns_the_last_program_on_the_faulty_backend():
+  """check() returns what the last python program printed, is the policy's error before any
+  program ran, and meets the injected backend faults like python does."""
+  from posttrain_jax.envs.env import EnvInfraError
+  from posttrain_jax.envs.tool_calls import ToolCall, render_call
+  spec = env_spec(INFRA)
+  task = _tasks(1)[0]
+
+  async def calls(env, *codes):
+    await env.reset(task, 0)
+    out = []
+    try:
+      for k, code in enumerate(codes):
+        call = ToolCall("check", {}) if code is None else ToolCall("python", {"code": code})
+        step = await env.step(parse_turn(render_call(call, "hermes"), "hermes", turn=k))
+        out.append(step.messages[-1]["content"])
+    finally:
+      await env.close()
+    return out, dict(env.counts)
+
+  out, counts = asyncio.run(calls(spec.build(spec.config_cls()), None, "print(6*7)", None))
+  assert out[0].startswith("error: check: no python program") and counts["tool_failed"] == 1
+  assert out[1:] == ["42", "42"]
+  faulty = spec.build(spec.config_cls(infra_fault_rate=0.5))
+  faulty._faults.random = iter([0.9, 0.1]).__next__  # python's draw passes, check's faults
+  with pytest.raises(EnvInfraError, match="injected"):
+    asyncio.run(calls(faulty, "print(6*7)", None))
+
+
+def test_submit_grades_what_the_last_program_printed():
+  spec = env_spec(INFRA)
+  task = _tasks(1)[0]
+  a, b = task.metadata["expression"].split("*")
+
+  async def episode(*turns):
+    env = spec.build(spec.config_cls())
+    await env.reset(task, 0)
+    try:
+      for k, t in enumerate(turns):
+        step = await env.step(parse_turn(t, "hermes", turn=k))
+    finally:
+      await env.close()
+    return step
+  from posttrain_jax.envs.tool_calls import ToolCall, render_call
+  py = lambda code: render_call(ToolCall("python", {"code": code}), "hermes")  # noqa: E731
+  submit = render_call(ToolCall("submit", {}), "hermes")
+  right = asyncio.run(episode(py(f"print({a}*{b})"), submit))
+  assert right.done and right.reward == 1.0 and right.info["ended_by"] == "submit"
+  wrong = asyncio.run(episode(py(f"print({a}*{b} + 1)"), submit))
+  assert wrong.done and wrong.reward == 0.0
+  assert asyncio.run(episode(submit)).reward == 0.0  # nothing printed yet
+  both = asyncio.run(episode(py(f"print({a}*{b})") + "\n" + submit))  # submit beside a call
+  assert not both.done and "call it alone" in both.messages[-1]["content"]

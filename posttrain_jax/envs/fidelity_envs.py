@@ -1,64 +1,133 @@
-"""tool_math_fidelity: tool_math with SFT demonstrations that teach several paths per task, so
-that the fidelity benchmark (benchmarks/fidelity.py) can watch GRPO choose between them.
+"""The fidelity benchmark's environments (benchmarks/fidelity.py): tool_math with SFT
+demonstrations that teach several paths per task, so that GRPO can be watched choosing between
+them under naive scoring and under ours.
 
-The environment is tool_math's (ToolMathEnv, ToolMathConfig: same tool, grader, reward and
-injectable tool-backend faults); only the demonstrations differ. Which path a task's gold chat
-takes is fixed by the task (crc32 of its id, mod 4), so SFT data replays from the bank's seed:
+Each is tool_math's environment (ToolMathEnv, ToolMathConfig: same python tool, grader, reward
+and injectable tool-backend faults) registered under its own name with its own demonstrations.
+Which path a task's gold chat takes is fixed by the task (crc32 of its id, mod the number of
+slots), so SFT data replays from the bank's seed. Both use tool_math's 4-digit × 4-digit
+products, the prompt layout in which the tiny model learns to copy digits (configs/tool_math.py).
 
-    easy task   slot 0, 1   tool    call python(print(a+b)), copy its output into the answer
-                slot 2, 3   direct  "The answer is v." (small operands: answerable without it)
-    hard task   slot 0      tool    (a success when copied right)
-                slot 1, 2   direct  (mostly wrong: a tiny model cannot multiply 2-digit numbers)
-                slot 3      stall   call python on one operand again and again, never answer:
-                                    the turn / tool-call budget runs out (a `timeout`)
+tool_math_fidelity_infra (case 1: infra faults on tool calls), slots of 4. Two more tools:
+`check` runs the episode's last python program again on the same backend, and `submit` ends
+the episode with what the last program printed as the answer (it reaches no backend):
+    slot 0      tool     call python(print(a*b)), then submit()
+    slot 1-3    verify   call python(print(a*b)), check() 3 times, then submit(): 4 backend
+                         calls instead of 1, ~2× the tokens, and exactly as correct (neither
+                         check nor submit copies anything: the answer is the first call's)
+  With 10% of backend calls failing on our side, a verify episode meets a fault 34% of the
+  time and a tool episode 10%: scoring a fault 0 makes the longer path look worse than it is.
+  Tried first and dropped, because the long path then failed on its own merits (the tiny model
+  does not learn a new copy in 200 SFT steps): re-running the output as print(v) (held-out
+  0.44; v copied wrong), and check() followed by "The answer is v." (4-call episodes 0.33
+  correct vs 0.66 for 1 call: v copied wrong after the checks).
 
-Case 1 of the benchmark (infra faults on tool calls, easy tasks only) needs the task solvable
-with and without the tool at similar accuracy; case 2 (hard tasks) needs a way to time out
-that the policy already takes sometimes. `STALL_CALLS` tool-call turns outlast a budget of
-max_turns ≤ STALL_CALLS (or max_tool_calls < STALL_CALLS).
+tool_math_fidelity_timeout (case 2: timeouts on hard tasks), slots of 64:
+    slot 0      tool     as above (the one path that succeeds)
+    slot 1-10   think    "Let me think." until the episode's token budget ends it: a timeout
+    slot 11-63  direct   "The answer is v." (a tiny model cannot multiply 4-digit numbers in its
+                         head, so at RL time this path fails)
+  The three paths differ from the first sampled token on ("<", "L", "The"), so GRPO moves
+  them through one decision: successes push the tool up, failures push direct down, and a
+  timeout that is dropped is pushed nowhere, so its share grows while failures outnumber
+  successes.
 """
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from typing import Any, Callable
 
-from posttrain_jax.envs.env import register_env
+from posttrain_jax.envs.env import EnvStep, ToolFailure, ToolSpec, register_env
 from posttrain_jax.envs.task import Task
 from posttrain_jax.envs.tool_calls import ToolCall, render_call
-from posttrain_jax.envs.tool_math import ToolMathConfig, ToolMathEnv
+from posttrain_jax.envs.tool_math import PYTHON, ToolMathConfig, ToolMathEnv
 
-STALL_CALLS = 3                   # tool-call turns of a stall demonstration (no answer after)
+VERIFY_RERUNS = 3                 # check() calls of a verify demonstration
+THINK = "Let me think. " * 12     # a think demonstration: ~120 tokens, past the case-2 budget
 
-_EASY = ("tool", "tool", "direct", "direct")
-_HARD = ("tool", "direct", "direct", "stall")
-
-
-def demonstration_path(task: Task) -> str:
-  """"tool", "direct" or "stall": the path of `task`'s gold chat (module docstring)."""
-  slot = zlib.crc32(task.id.encode()) % 4
-  return (_HARD if task.metadata.get("difficulty") == "hard" else _EASY)[slot]
+SLOTS = {
+    "tool_math_fidelity_infra": ("tool",) + ("verify",) * 3,
+    "tool_math_fidelity_timeout": ("tool",) + ("think",) * 10 + ("direct",) * 53,
+}
 
 
-def _call(code: str, i: int, tool_format: str, result: str) -> list[dict[str, Any]]:
-  return [{"role": "assistant", "content": render_call(ToolCall("python", {"code": code}),
-                                                       tool_format)},
+def demonstration_path(env: str, task: Task) -> str:
+  """The path of `task`'s gold chat in environment `env` (module docstring)."""
+  slots = SLOTS[env]
+  return slots[zlib.crc32(task.id.encode()) % len(slots)]
+
+
+CHECK = ToolSpec("check", "Runs the last program again.",
+                 {"type": "object", "properties": {}})
+
+
+SUBMIT = ToolSpec("submit", "Submits what the last program printed as the answer.",
+                  {"type": "object", "properties": {}})
+
+
+class VerifyEnv(ToolMathEnv):
+  """tool_math with `check` (the last python program again, through the same backend and so
+  the same injected faults) and `submit` (grade what the last program printed; no backend)."""
+  tools = (PYTHON, CHECK, SUBMIT)
+
+  def __init__(self, cfg: ToolMathConfig = ToolMathConfig()):
+    super().__init__(cfg)
+    self._last: str | None = None
+    self._printed = ""
+
+  async def call_python(self, code: str) -> str:
+    self._last = code
+    self._printed = await super().call_python(code)
+    return self._printed
+
+  async def call_check(self) -> str:
+    if self._last is None:
+      raise ToolFailure("tool_failed", "check: no python program has run yet")
+    return await super().call_python(self._last)
+
+  async def call_submit(self) -> str:  # reached only beside other calls (see step)
+    raise ToolFailure("bad_arguments", "submit: call it alone, as the turn's only call")
+
+  async def step(self, turn) -> EnvStep:
+    if [c.name for c in turn.tool_calls] == ["submit"] and not turn.malformed:
+      self.counts["tool_calls"] += 1
+      reward = float(self._grader(self._printed, self._task).reward)
+      return EnvStep([], done=True, reward=self.final_reward(reward), info={"ended_by": "submit"})
+    return await super().step(turn)
+
+
+def _call(call: ToolCall, i: int, tool_format: str, result: str) -> list[dict[str, Any]]:
+  return [{"role": "assistant", "content": render_call(call, tool_format)},
           {"role": "tool", "tool_call_id": f"call_{i}_0", "content": result}]
 
 
-def demonstration(task: Task, tool_format: str) -> list[dict[str, Any]]:
-  """The gold chat of `task` along its path (tool, direct or stall)."""
+def _chat(path: str, task: Task, tool_format: str, submit: bool) -> list[dict[str, Any]]:
   expr, answer = task.metadata["expression"], task.answer
   chat: list[dict[str, Any]] = [{"role": "user", "content": str(task.prompt)}]
-  path = demonstration_path(task)
-  if path == "stall":
-    operand = expr.replace("*", "+").replace("-", "+").split("+")[0]
-    for i in range(STALL_CALLS):
-      chat += _call(f"print({operand})", i, tool_format, operand)
+  if path == "think":
+    chat.append({"role": "assistant", "content": THINK.strip()})
     return chat
-  if path == "tool":
-    chat += _call(f"print({expr})", 0, tool_format, answer)
-  chat.append({"role": "assistant", "content": f"The answer is {answer}."})
+  if path in ("tool", "verify"):
+    chat += _call(ToolCall("python", {"code": f"print({expr})"}), 0, tool_format, answer)
+  if path == "verify":
+    for i in range(VERIFY_RERUNS):
+      chat += _call(ToolCall("check", {}), i + 1, tool_format, answer)
+  if path in ("tool", "verify") and submit:
+    chat.append({"role": "assistant", "content": render_call(ToolCall("submit", {}), tool_format)})
+  else:
+    chat.append({"role": "assistant", "content": f"The answer is {answer}."})
   return chat
 
 
-register_env("tool_math_fidelity", ToolMathConfig, demonstration=demonstration)(ToolMathEnv)
+def _demonstration(env: str) -> Callable[[Task, str], list[dict[str, Any]]]:
+  def demonstration(task: Task, tool_format: str) -> list[dict[str, Any]]:
+    return _chat(demonstration_path(env, task), task, tool_format,
+                 submit=env == "tool_math_fidelity_infra")
+  demonstration.__doc__ = f"The gold chat of a task in {env} along its path (module docstring)."
+  return demonstration
+
+
+register_env("tool_math_fidelity_infra", ToolMathConfig,
+             demonstration=_demonstration("tool_math_fidelity_infra"))(VerifyEnv)
+register_env("tool_math_fidelity_timeout", ToolMathConfig,
+             demonstration=_demonstration("tool_math_fidelity_timeout"))(ToolMathEnv)
