@@ -7,14 +7,14 @@ a tiny model that calls python on 4-digit × 4-digit products and copies its ope
 then SFTs 200 steps on its case's demonstrations (posttrain_jax/envs/fidelity_envs.py: several
 paths per task) and runs GRPO over whole episodes with the embedded JAX sampler (P=8 × G=8):
 
-  case 1, infra faults (tool_math_fidelity_infra): paths `tool` (python, submit) and `verify`
-    (python, check × 3, submit), equally correct; 10% of backend calls fail on our side
-    (ToolMathConfig.infra_fault_rate = 0.1, an EnvInfraError), which a verify episode meets 34%
-    of the time and a tool episode 10%.
+  case 1, infra faults (tool_math_fidelity_infra): paths `tool` (python, submit; 1 demonstration
+    in 4) and `verify` (python, check × 5, submit), equally correct by design; 10% of backend
+    calls fail on our side (ToolMathConfig.infra_fault_rate = 0.1, an EnvInfraError), which a
+    verify episode meets 47% of the time and a tool episode 10%.
     naive   infra_scoring="zero": a fault scores the episode 0, so the long path earns less and
             GRPO shortens episodes, for no gain in what the policy can do;
     default infra_scoring="exclude": such episodes leave the loss and the baselines.
-    Measured: response_len/mean (sampled tokens per episode; verify is ~2.3× tool).
+    Measured: response_len/mean (sampled tokens per episode; verify is ~3× tool).
   case 2, timeouts (tool_math_fidelity_timeout): every task hard for a tiny model (a 4-digit
     product); paths `tool` (1 demonstration in 64, the one that succeeds), `think` (10 in 64:
     "Let me think." past the episode's 64-token budget, a timeout) and `direct` (the rest:
@@ -39,7 +39,7 @@ convention). The audit runs on each run's metrics.jsonl rows as the trainer wrot
 evaluate_episodes), so the audit can tell a shortening that only dodges faults from a gain.
 One PNG per case (naive vs default over RL steps). Ends with one RESULT line.
 
-    python benchmarks/fidelity.py --out fidelity.json [--workdir DIR] [--base DIR] [--steps 24]
+    python benchmarks/fidelity.py --out fidelity.json [--workdir DIR] [--base DIR] [--steps 32]
 
 Measured on the 2-core dev box, 2026-12-01, --base = configs/tool_math.py's 700-step SFT model:
   timeout (32 GRPO steps at lr 1.5e-4; fidelity/timeout_frac/hard, first → last quarter):
@@ -51,6 +51,18 @@ Measured on the 2-core dev box, 2026-12-01, --base = configs/tool_math.py's 700-
     proportion to how often it is sampled, so the rare think gains at first under "score" too
     (to 0.30 at step 17); from there "score" drives it to 0.02 and "drop" holds it near 0.5.
     Under "drop" the reward the trainer sees is the higher one (timeouts are not in it).
+  infra (32 GRPO steps at lr 6e-5; response_len/mean, first → last quarter):
+    naive    112.1 → 77.4 tokens (×0.690), tool calls/episode 4.08 → 2.24; not flagged: the
+             audit's held-out check saw success rise 0.70 → 0.87 and read the shortening as
+             legitimate
+    default  shortens too: 128 → 101 tokens by its 7th step (naive: 124 → 92), the run then
+             stopped for time. So case 1 is NOT reproduced yet: the SFT model's calls were
+             malformed a quarter of the time (episode/malformed_call_rate 0.25 → 0.13 over the
+             naive run), mostly the long path's check calls, so the long path was less correct
+             than designed and lost under either scoring; GRPO's fixing the calls also raised
+             held-out success, which is why the audit read the naive shortening as legitimate.
+             Next: SFT the case until its check calls are clean (malformed ≈ 0 at the start of
+             GRPO), then both runs again.
 How the design got here (each failed run taught one constraint):
   A/B  1-digit arithmetic from scratch (2- and 4-layer models): the tiny model never learned
        to copy operands into a call, so the tool path was no more accurate than guessing, and
@@ -64,7 +76,12 @@ How the design got here (each failed run taught one constraint):
   G    tool 1/64, think 10/64, lr 1.5e-4: the numbers above. After 24 steps it read ×6.03 vs
        ×1.94 (the default still on its way down); both runs were then resumed from their
        step-24 checkpoints to 32 steps (constant GRPO lr, exact resume), the default since.
-  infra with these settings: being measured when this was committed.
+  infra, each stopped after a few steps: long path = print(v) reruns (v
+  copied wrong: held-out 0.44); check × 3 then "The answer is v." (0.33 vs 0.66 correct:
+  v copied wrong after the checks); check × 3 then submit, 1:1 demonstrations (the SFT model
+  took the long path 27% of the time: 91 → 71 tokens, a floor of 0.75× that no flag can reach);
+  check × 5, lr 3e-4 (139 → 75 tokens within 4 steps, inside the first quarter the change is
+  measured from).
 """
 from __future__ import annotations
 
@@ -86,8 +103,8 @@ from posttrain_jax.types import Status
 TASKS = {"min_digits": 4, "max_digits": 4, "ops": "*"}  # configs/tool_math.py's products
 CASES = {  # case -> environment, its config, budgets, naive / default settings, measured key
     "infra": {"env": "tool_math_fidelity_infra", "env_config": {"infra_fault_rate": 0.1},
-              "tasks": TASKS, "turn_max_tokens": 48, "seq_len": 640, "lr": 3e-4,
-              "budgets": {"max_turns": 5, "max_tokens": 200, "max_tool_calls": 5},
+              "tasks": TASKS, "turn_max_tokens": 48, "seq_len": 736, "lr": 6e-5,
+              "budgets": {"max_turns": 7, "max_tokens": 280, "max_tool_calls": 7},
               "naive": {"infra_scoring": "zero"}, "default": {"infra_scoring": "exclude"},
               "key": "response_len/mean"},
     # every task labelled hard (4-digit operands: hard_digits=4) for the per-difficulty keys;

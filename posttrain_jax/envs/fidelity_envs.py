@@ -12,10 +12,10 @@ tool_math_fidelity_infra (case 1: infra faults on tool calls), slots of 4. Two m
 `check` runs the episode's last python program again on the same backend, and `submit` ends
 the episode with what the last program printed as the answer (it reaches no backend):
     slot 0      tool     call python(print(a*b)), then submit()
-    slot 1-3    verify   call python(print(a*b)), check() 3 times, then submit(): 4 backend
-                         calls instead of 1, ~2× the tokens, and exactly as correct (neither
+    slot 1-3    verify   call python(print(a*b)), check() 5 times, then submit(): 6 backend
+                         calls instead of 1, ~3× the tokens, and exactly as correct (neither
                          check nor submit copies anything: the answer is the first call's)
-  With 10% of backend calls failing on our side, a verify episode meets a fault 34% of the
+  With 10% of backend calls failing on our side, a verify episode meets a fault 47% of the
   time and a tool episode 10%: scoring a fault 0 makes the longer path look worse than it is.
   Tried first and dropped, because the long path then failed on its own merits (the tiny model
   does not learn a new copy in 200 SFT steps): re-running the output as print(v) (held-out
@@ -42,7 +42,7 @@ from posttrain_jax.envs.task import Task
 from posttrain_jax.envs.tool_calls import ToolCall, render_call
 from posttrain_jax.envs.tool_math import PYTHON, ToolMathConfig, ToolMathEnv
 
-VERIFY_RERUNS = 3                 # check() calls of a verify demonstration
+VERIFY_RERUNS = 5                 # check() calls of a verify demonstration
 THINK = "Let me think. " * 12     # a think demonstration: ~120 tokens, past the case-2 budget
 
 SLOTS = {
