@@ -55,8 +55,9 @@ Measured on the 2-core dev box, 2026-12-01, --base = configs/tool_math.py's 700-
     naive    112.1 → 77.4 tokens (×0.690), tool calls/episode 4.08 → 2.24; not flagged: the
              audit's held-out check saw success rise 0.70 → 0.87 and read the shortening as
              legitimate
-    default  shortens too: 128 → 101 tokens by its 7th step (naive: 124 → 92), the run then
-             stopped for time. So case 1 is NOT reproduced yet: the SFT model's calls were
+    default  shortens too: 124.7 → 82.2 tokens (×0.659) over its first 16 steps (the run was
+             stopped there for time), flagged malformed_rising (0.20 → 0.37 of calls). So case
+             1 is NOT reproduced yet: the SFT model's calls were
              malformed a quarter of the time (episode/malformed_call_rate 0.25 → 0.13 over the
              naive run), mostly the long path's check calls, so the long path was less correct
              than designed and lost under either scoring; GRPO's fixing the calls also raised
