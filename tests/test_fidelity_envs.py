@@ -16,8 +16,8 @@ from posttrain_jax.actors.multiturn import EnvEpisode, EnvEpisodeConfig, demonst
 from posttrain_jax.actors.rollout import RolloutConfig
 from posttrain_jax.config_io import from_dict
 from posttrain_jax.envs import fidelity_envs
-from posttrain_jax.envs.env import env_spec
-from posttrain_jax.envs.tool_calls import parse_turn
+from posttrain_jax.envs.env import EnvInfraError, env_spec
+from posttrain_jax.envs.tool_calls import ToolCall, parse_turn, render_call
 from posttrain_jax.envs.tool_math import ToolMathTasks, demonstration as tool_math_demo, draw_tool_math
 from posttrain_jax.types import Status
 from tests import envs_testing as et
@@ -26,6 +26,7 @@ INFRA, TIMEOUT = "tool_math_fidelity_infra", "tool_math_fidelity_timeout"
 PATHS = {INFRA: {"tool", "verify"}, TIMEOUT: {"tool", "think", "direct"}}
 
 
+@functools.lru_cache(maxsize=None)
 def _benchmark_cases():
   path = pathlib.Path(__file__).parent.parent / "benchmarks" / "fidelity.py"
   spec = importlib.util.spec_from_file_location("fidelity_benchmark", path)
@@ -176,8 +177,6 @@ def test_verify_fits_the_benchmark_budget():
 def test_check_reruns_the_last_program_on_the_faulty_backend():
   """check() returns what the last python program printed, is the policy's error before any
   program ran, and meets the injected backend faults like python does."""
-  from posttrain_jax.envs.env import EnvInfraError
-  from posttrain_jax.envs.tool_calls import ToolCall, render_call
   spec = env_spec(INFRA)
   task = _tasks(1)[0]
 
@@ -216,7 +215,6 @@ def test_submit_grades_what_the_last_program_printed():
     finally:
       await env.close()
     return step
-  from posttrain_jax.envs.tool_calls import ToolCall, render_call
   py = lambda code: render_call(ToolCall("python", {"code": code}), "hermes")  # noqa: E731
   submit = render_call(ToolCall("submit", {}), "hermes")
   right = asyncio.run(episode(py(f"print({a}*{b})"), submit))

@@ -195,14 +195,19 @@ def test_wall_clock_budget_is_a_timeout():
   assert t.status is Status.TIMEOUT and t.metrics["ended_by"] == "timeout/seconds"
 
 
-def test_an_infra_failure_is_excluded_not_scored():
+def _down_env() -> str:
+  """Registers (once) "test_down": the calculator env whose tool backend is unreachable."""
   class Down(et.CalcEnv):
     async def call_add(self, a, b):
       raise EnvInfraError("tool_backend", "calculator service unreachable")
   from posttrain_jax.envs.env import ENVS, register_env
   if "test_down" not in ENVS.names():
     register_env("test_down", et.CalcConfig)(Down)
-  task = et.calc_task(0, env="test_down")
+  return "test_down"
+
+
+def test_an_infra_failure_is_excluded_not_scored():
+  task = et.calc_task(0, env=_down_env())
   _, _, _, groups = run_episode("hermes", "hermes", tool_then_answer("hermes"), tasks=[task])
   (t,) = groups[0]
   assert t.status is Status.INFRA_ERROR and t.reward is None and not t.trainable
@@ -215,8 +220,7 @@ def test_an_infra_failure_is_excluded_not_scored():
 def test_held_out_success_leaves_infra_failures_out_under_naive_scoring():
   """evaluate_episodes measures the policy: a task whose tool backend is down counts for
   nothing there, even when training scores it 0 (infra_scoring="zero")."""
-  test_an_infra_failure_is_excluded_not_scored()  # registers test_down
-  tasks = [et.calc_task(0, env="test_down"), et.calc_task(1)]
+  tasks = [et.calc_task(0, env=_down_env()), et.calc_task(1)]
   tok = et.tokenizer("hermes")
   stops = et.stop_ids(tok, "hermes")
   # every first turn calls the tool, every turn after its result answers
