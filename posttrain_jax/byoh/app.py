@@ -1,0 +1,241 @@
+"""The FastAPI routes of the proxy (server.py has the serving logic) and `serve()`.
+
+Every error a client can cause is a 4xx with an OpenAI-style body; an unknown route is a 404 in
+the same shape; only our own failures (the engine) are 5xx. Streaming answers are server-sent
+events: a role chunk at once, then the content (a chunk per sampled token), the tool calls, a
+final chunk with the finish reasons, the usage chunk when `stream_options.include_usage`, and
+`data: [DONE]`. A stream the client leaves early records its call as incomplete.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from posttrain_jax.byoh import openai_api as api
+from posttrain_jax.byoh.server import Proxy
+from posttrain_jax.engines.base import EngineError
+
+
+def _error(e: api.ApiError) -> JSONResponse:
+  return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _json_body(request: Request, limit: int) -> Any:
+  size = request.headers.get("content-length")
+  if size is not None and size.isdigit() and int(size) > limit:
+    raise api.ApiError(413, f"request body of {size} bytes; the limit is {limit}", None,
+                       "request_too_large")
+  raw = b""
+  async for part in request.stream():
+    raw += part
+    if len(raw) > limit:
+      raise api.ApiError(413, f"request body over {limit} bytes", None, "request_too_large")
+  try:
+    return json.loads(raw)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise api.ApiError(400, f"the body is not valid JSON: {e}") from None
+
+
+def build_app(proxy: Proxy) -> FastAPI:
+  app = FastAPI(title="posttrain_jax recording proxy", docs_url=None, redoc_url=None)
+  app.state.proxy = proxy
+  limit = proxy.cfg.max_request_bytes
+
+  @app.exception_handler(api.ApiError)
+  async def _api_error(_, e: api.ApiError):
+    return _error(e)
+
+  @app.exception_handler(StarletteHTTPException)
+  async def _http_error(_, e: StarletteHTTPException):
+    return _error(api.ApiError(e.status_code, str(e.detail), None, "not_found"
+                               if e.status_code == 404 else None))
+
+  @app.exception_handler(Exception)
+  async def _bug(_, e: Exception):  # a bug of ours: still an OpenAI-shaped body, and a 500
+    return _error(api.ApiError(500, f"internal error: {type(e).__name__}: {e}", None, None,
+                               "server_error"))
+
+  @app.get("/health")
+  async def health():
+    return {"status": "ok", "version": proxy.engine.version}
+
+  @app.get("/v1/models")
+  async def models(request: Request):
+    proxy.tenant(request.headers)
+    return {"object": "list", "data": [{"id": proxy.cfg.model_name, "object": "model",
+                                        "created": 0, "owned_by": "posttrain_jax"}]}
+
+  async def _complete(request: Request, chat: bool):
+    tenant, session, _ = proxy.identity(request.headers)
+    body = await _json_body(request, limit)
+    req = proxy.parse(body, chat)
+    call_id, messages, prompt = proxy.prepare(req, tenant, session)
+    kind = "chat" if chat else "completion"
+    proxy.begin(call_id, kind, tenant, session, body, messages, req, prompt)
+    t0 = time.perf_counter()
+    headers = {"X-Session-Id": session}
+    end = dict(call_id=call_id, tenant=tenant, session=session, t0=t0, kind=kind,
+               messages=messages, tools=req.tools)
+    if req.stream:
+      return StreamingResponse(_stream(proxy, req, prompt, end, chat), headers=headers,
+                               media_type="text/event-stream")
+    try:
+      comps = await proxy.generate(req, prompt)
+    except api.ApiError as e:
+      proxy.end(status="error", reason=e.message, **end)
+      raise
+    except EngineError as e:
+      proxy.end(status="error", reason=str(e), **end)
+      raise api.ApiError(503, f"the engine failed: {e}", None, "engine_error",
+                         "server_error") from None
+    except asyncio.CancelledError:
+      proxy.end(status="incomplete", reason="client_disconnected", **end)
+      raise
+    choices = [proxy.choice(i, c, req, call_id, chat) for i, c in enumerate(comps)]
+    resp = proxy.response(call_id, req, prompt, choices, chat)
+    if await request.is_disconnected():
+      proxy.end(status="incomplete", reason="client_disconnected", choices=choices, **end)
+      return JSONResponse(resp, headers=headers)
+    proxy.end(status="complete", choices=choices, response=resp, prompt=prompt, **end)
+    return JSONResponse(resp, headers=headers)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(request: Request):
+    return await _complete(request, True)
+
+  @app.post("/v1/completions")
+  async def completions(request: Request):
+    return await _complete(request, False)
+
+  @app.post("/v1/sessions")
+  async def new_session(request: Request):
+    tenant, session, _ = proxy.identity(request.headers)
+    key = "sk-sess-" + secrets.token_urlsafe(24)
+    proxy.store.add_session_key(key, tenant, session)
+    return {"id": session, "api_key": key}
+
+  @app.get("/v1/sessions")
+  async def list_sessions(request: Request, since: Optional[float] = None):
+    return {"object": "list", "data": proxy.store.sessions(proxy.tenant(request.headers),
+                                                           since=since)}
+
+  @app.get("/v1/sessions/{session}")
+  async def get_session(session: str, request: Request):
+    return proxy.session_detail(proxy.tenant(request.headers), session)
+
+  @app.get("/v1/sessions/{session}/samples")
+  async def get_samples(session: str, request: Request):
+    return proxy.samples(proxy.tenant(request.headers), session)
+
+  @app.post("/v1/sessions/{session}/feedback")
+  async def post_feedback(session: str, request: Request):
+    tenant = proxy.tenant(request.headers)
+    body = await _json_body(request, limit)
+    return proxy.feedback(tenant, session, body, None, request.headers.get("idempotency-key"))
+
+  @app.post("/v1/sessions/{session}/calls/{call_id}/feedback")
+  async def post_call_feedback(session: str, call_id: str, request: Request):
+    tenant = proxy.tenant(request.headers)
+    body = await _json_body(request, limit)
+    return proxy.feedback(tenant, session, body, call_id, request.headers.get("idempotency-key"))
+
+  return app
+
+
+async def _stream(proxy: Proxy, req: api.Request, prompt, end: dict, chat: bool):
+  """The SSE body of a streaming call; records how it ended (module docstring)."""
+  call_id, created = end["call_id"], int(time.time())
+  ended = False
+  try:
+    if chat:
+      yield api.chunk(call_id, req.model, created, [
+          {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+           "finish_reason": None} for i in range(req.n)])
+    try:
+      comps = await proxy.generate(req, prompt)
+    except (api.ApiError, EngineError) as e:
+      err = e if isinstance(e, api.ApiError) else api.ApiError(
+          503, f"the engine failed: {e}", None, "engine_error", "server_error")
+      proxy.end(status="error", reason=err.message, **end)
+      ended = True
+      yield f"data: {json.dumps(err.body())}\n\n"
+      return
+    choices = [proxy.choice(i, c, req, call_id, chat) for i, c in enumerate(comps)]
+    resp = proxy.response(call_id, req, prompt, choices, chat)
+    for c, r in zip(choices, resp["choices"]):
+      for piece, lp in _pieces(proxy, c):
+        if chat:
+          delta = {"index": c.index, "delta": {"content": piece}, "finish_reason": None,
+                   "logprobs": api.token_logprobs([piece], [lp]) if req.logprobs else None}
+          yield api.chunk(call_id, req.model, created, [delta])
+        else:
+          yield "data: " + json.dumps({"id": call_id, "object": "text_completion",
+                                       "created": created, "model": req.model, "choices": [
+                                           {"index": c.index, "text": piece, "logprobs": None,
+                                            "finish_reason": None}]}) + "\n\n"
+      if chat and c.message.get("tool_calls"):
+        calls = [dict(tc, index=k) for k, tc in enumerate(c.message["tool_calls"])]
+        yield api.chunk(call_id, req.model, created, [
+            {"index": c.index, "delta": {"tool_calls": calls}, "finish_reason": None,
+             "logprobs": None}])
+    if chat:
+      yield api.chunk(call_id, req.model, created, [
+          {"index": c.index, "delta": {}, "finish_reason": c.finish_reason, "logprobs": None}
+          for c in choices])
+    else:
+      yield "data: " + json.dumps({"id": call_id, "object": "text_completion",
+                                   "created": created, "model": req.model, "choices": [
+                                       {"index": c.index, "text": "", "logprobs": None,
+                                        "finish_reason": c.finish_reason}
+                                       for c in choices]}) + "\n\n"
+    if req.include_usage:
+      yield api.chunk(call_id, req.model, created, [], usage=resp["usage"])
+    yield "data: [DONE]\n\n"
+    proxy.end(status="complete", choices=choices, response=resp, prompt=prompt, **end)
+    ended = True
+  finally:
+    if not ended:  # the client left (or the proxy is stopping) before the stream ended
+      proxy.end(status="incomplete", reason="client_disconnected", **end)
+
+
+def _pieces(proxy: Proxy, c) -> list[tuple[str, float]]:
+  """The choice's content as one delta per sampled token (their texts join to the content)."""
+  content = c.message.get("content") if c.message is not None else c.text
+  if not content:
+    return []
+  if c.message is not None and c.message.get("tool_calls"):
+    return [(content, 0.0)]
+  out, prev = [], ""
+  for t in range(1, len(c.token_ids) + 1):
+    text = proxy.builder.decode(c.token_ids[:t])
+    if len(text) >= len(content):
+      piece = content[len(prev):]
+      if piece:
+        out.append((piece, c.logprobs[t - 1]))
+      return out
+    if text.startswith(prev) and len(text) > len(prev):
+      out.append((text[len(prev):], c.logprobs[t - 1]))
+      prev = text
+  if content[len(prev):]:
+    out.append((content[len(prev):], 0.0))
+  return out
+
+
+def serve(proxy: Proxy, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+          on_ready=None):
+  """Runs the proxy with uvicorn until SIGINT / SIGTERM; `on_ready()` once it accepts calls."""
+  import uvicorn
+  app = build_app(proxy)
+  if on_ready is not None:
+    app.router.on_startup.append(on_ready)
+  try:
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+  finally:
+    proxy.close()

@@ -1,0 +1,306 @@
+"""The recording proxy: an OpenAI-compatible server in front of any engine, recording every call.
+
+    POST /v1/chat/completions      chat (streaming or not, tools, n, logprobs, seed, stop)
+    POST /v1/completions           text or token-id prompts
+    GET  /v1/models                the served model
+    POST /v1/sessions              a new session and its own API key (for harnesses that can
+                                   set only a base URL and a key)
+    GET  /v1/sessions[/{id}]       the tenant's sessions; one session's calls and feedback
+    GET  /v1/sessions/{id}/samples the session rebuilt into training samples (rebuild.py)
+    POST /v1/sessions/{id}/feedback, /v1/sessions/{id}/calls/{call}/feedback
+                                   a grade, a rubric and/or free text, any time later, idempotent
+
+Who calls: `Authorization: Bearer <key>`. A key of `ProxyConfig.api_keys` names a tenant; a
+session key (from POST /v1/sessions) names a tenant and a session. With keys configured, a
+missing or unknown key is a 401; without, every caller is tenant "default". The session is the
+session key's, else the `X-Session-Id` header, else a new one per call (sent back in the
+`X-Session-Id` response header). A tenant never sees another tenant's sessions (they read as
+404, like sessions that do not exist).
+
+Each call: validate (openai_api.py: a 4xx naming the field, nothing recorded), build the prompt
+(prompts.py: earlier sampled ids spliced in), record the call (store.py), generate on a worker
+thread, parse tool calls with the chat format's parser (envs/tool_calls.py, so
+tool_choice="auto" works whatever the engine), answer, record the result. A client that leaves
+before the answer is complete leaves its call "incomplete"; an engine failure is a 503 and an
+"error" call. Both are kept and never trained on.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import time
+import uuid
+from typing import Any, Optional
+
+from posttrain_jax.byoh import openai_api as api
+from posttrain_jax.byoh.prompts import MessageError, Prompt, PromptBuilder, Turn, normalize_messages
+from posttrain_jax.byoh.rebuild import rebuild_session
+from posttrain_jax.byoh.store import Choice, Feedback, TraceStore
+from posttrain_jax.engines.base import EngineError, PromptTooLongError
+from posttrain_jax.envs.tool_calls import parse_turn
+
+DEFAULT_TENANT = "default"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProxyConfig:
+  """How the proxy serves and whom it lets in."""
+  model_name: str = "posttrain_jax"     # the model id served (requests must name it)
+  api_keys: tuple[tuple[str, str], ...] = ()   # (key, tenant) pairs; empty = no auth
+  max_request_bytes: int = 4 << 20      # larger bodies are a 413
+  max_tokens_default: int = 256         # max_tokens when the request sets none
+  max_tokens_limit: int = 4096          # the most a request may ask for
+  max_n: int = 16                       # the most choices per request
+  max_prompt_tokens: int = 0            # longer prompts are a 400 (0 = the engine's own limit)
+  workers: int = 4                      # threads running engine calls
+  session_cache: int = 4096             # sessions whose history stays in memory
+
+
+class Proxy:
+  """The serving state: engine, tokenizer, store, and each session's recent calls."""
+
+  def __init__(self, cfg: ProxyConfig, engine, tokenizer, store: TraceStore,
+               stop_token_ids: tuple[int, ...], tool_format: Optional[str]):
+    self.cfg, self.engine, self.store, self.tool_format = cfg, engine, store, tool_format
+    self.stop_ids = tuple(int(t) for t in stop_token_ids)
+    self.builder = PromptBuilder(tokenizer, self.stop_ids)
+    self.keys = dict(cfg.api_keys)
+    limit = cfg.max_prompt_tokens or getattr(getattr(engine, "cfg", None), "max_prompt_len", 0)
+    self.max_prompt_tokens = int(limit or 0)
+    self._pool = concurrent.futures.ThreadPoolExecutor(cfg.workers, "proxy-engine")
+    self._history: collections.OrderedDict = collections.OrderedDict()
+    self.counts: collections.Counter = collections.Counter()
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=False, cancel_futures=True)
+
+  # -- who is calling -------------------------------------------------------------------------
+
+  def identity(self, headers) -> tuple[str, str, bool]:
+    """(tenant, session, session_is_new) of a request, or an ApiError 401."""
+    auth = headers.get("authorization", "")
+    key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    bound = self.store.session_key(key) if key else None
+    if bound:
+      return bound[0], bound[1], False
+    if self.keys:
+      if not key:
+        raise api.ApiError(401, "missing API key (Authorization: Bearer <key>)", None,
+                           "invalid_api_key", "authentication_error")
+      if key not in self.keys:
+        raise api.ApiError(401, "invalid API key", None, "invalid_api_key",
+                           "authentication_error")
+      tenant = self.keys[key]
+    else:
+      tenant = DEFAULT_TENANT
+    session = headers.get("x-session-id")
+    if session is not None:
+      if not 0 < len(session) <= 200 or not session.isprintable():
+        raise api.ApiError(400, "X-Session-Id must be 1..200 printable characters",
+                           "X-Session-Id")
+      return tenant, session, False
+    return tenant, f"sess-{uuid.uuid4().hex}", True
+
+  def tenant(self, headers) -> str:
+    return self.identity(headers)[0]
+
+  # -- history ----------------------------------------------------------------------------------
+
+  def history(self, tenant: str, session: str) -> list[Turn]:
+    key = (tenant, session)
+    if key in self._history:
+      self._history.move_to_end(key)
+      return self._history[key]
+    turns = [Turn(c.id, c.kind, c.messages, c.tools, c.prompt_text, c.prompt_ids, c.choices)
+             for c in self.store.calls(tenant, session, status="complete")]
+    self._history[key] = turns
+    while len(self._history) > self.cfg.session_cache:
+      self._history.popitem(last=False)
+    return turns
+
+  # -- serving ----------------------------------------------------------------------------------
+
+  def parse(self, body: Any, chat: bool) -> api.Request:
+    return api.parse_request(body, chat=chat, models=(self.cfg.model_name,),
+                             max_tokens_default=self.cfg.max_tokens_default,
+                             max_tokens_limit=self.cfg.max_tokens_limit, max_n=self.cfg.max_n,
+                             stop_token_ids=self.stop_ids)
+
+  def prepare(self, req: api.Request, tenant: str, session: str):
+    """The call's id, normalised messages and prompt; ApiError for what cannot be served."""
+    history = self.history(tenant, session)
+    if req.messages is not None:
+      try:
+        messages = normalize_messages(req.messages)
+      except MessageError as e:
+        raise api.ApiError(400, str(e), e.param) from None
+      try:
+        prompt = self.builder.chat(messages, req.tools, history)
+      except Exception as e:  # the template cannot render this chat (jinja error)
+        raise api.ApiError(400, f"the chat template cannot render these messages: {e}",
+                           "messages") from None
+      prefix = "chatcmpl"
+    else:
+      messages, prefix = None, "cmpl"
+      prompt = self.builder.completion(req.prompt, history)
+    if self.max_prompt_tokens and len(prompt.ids) > self.max_prompt_tokens:
+      raise api.ApiError(400, f"the prompt has {len(prompt.ids)} tokens; this server accepts "
+                         f"at most {self.max_prompt_tokens}", "messages" if messages else "prompt",
+                         "context_length_exceeded")
+    return f"{prefix}-{uuid.uuid4().hex}", messages, prompt
+
+  def begin(self, call_id, kind, tenant, session, body, messages, req, prompt: Prompt) -> None:
+    self.store.begin_call(call_id=call_id, tenant=tenant, session=session, kind=kind,
+                          request=body, prompt_text=prompt.text, prompt_ids=prompt.ids,
+                          messages=messages, tools=req.tools,
+                          parent_call=prompt.parent[0] if prompt.parent else None,
+                          parent_choice=prompt.parent[1] if prompt.parent else None,
+                          break_reason=prompt.break_reason)
+    self.counts["calls"] += 1
+    if prompt.break_reason:
+      self.counts[f"break/{prompt.break_reason}"] += 1
+
+  async def generate(self, req: api.Request, prompt: Prompt):
+    loop = asyncio.get_running_loop()
+    for attempt in range(3):  # "abort": cut by a weight swap mid-decode; served again
+      try:
+        out = await loop.run_in_executor(
+            self._pool, lambda: self.engine.generate([prompt.ids], req.sampling, req.n, req.seed))
+      except PromptTooLongError as e:
+        raise api.ApiError(400, str(e), "messages", "context_length_exceeded") from None
+      except api.ApiError:
+        raise
+      except Exception as e:
+        raise EngineError(f"{type(e).__name__}: {e}") from e
+      comps = out[0]
+      if any(c.finish_reason == "error" for c in comps):
+        raise EngineError("the engine reported an error for this request")
+      if not any(c.finish_reason == "abort" for c in comps):
+        return comps
+      self.counts["aborted_retries"] += 1
+    raise EngineError("the engine aborted the request 3 times")
+
+  def choice(self, i: int, comp, req: api.Request, call_id: str, chat: bool) -> Choice:
+    """One engine completion as the client's choice (stop strings cut, tool calls parsed)."""
+    ids, lps, finish = list(comp.token_ids), list(comp.logprobs), comp.finish_reason
+    dec = self.builder.decode
+    body = ids[:-1] if ids and ids[-1] in self.stop_ids and finish == "stop" else ids
+    cut = api.truncate_at_stop(body, dec, req.stop)
+    if cut:
+      keep, pos = cut
+      ids, lps, finish = ids[:keep], lps[:keep], "stop"
+      text = dec(ids)[:pos]
+    else:
+      text = dec(body)
+    message = None
+    if chat:
+      message = {"role": "assistant", "content": text}
+      if req.tools and req.tool_choice == "auto" and self.tool_format:
+        turn = parse_turn(text, self.tool_format)
+        if turn.tool_calls and not turn.malformed:
+          calls = [dict(c.to_openai(), id=f"call_{call_id[-12:]}_{i}_{k}")
+                   for k, c in enumerate(turn.tool_calls)]
+          message = {"role": "assistant", "content": turn.content or None, "tool_calls": calls}
+          finish = "tool_calls"
+        elif turn.malformed:
+          self.counts["malformed_tool_calls"] += len(turn.malformed)
+    return Choice(index=i, token_ids=ids, logprobs=[float(x) for x in lps],
+                  finish_reason=finish, version=int(comp.version), text=text, message=message)
+
+  def response(self, call_id: str, req: api.Request, prompt: Prompt, choices: list[Choice],
+               chat: bool) -> dict:
+    usage = {"prompt_tokens": len(prompt.ids),
+             "completion_tokens": sum(len(c.token_ids) for c in choices),
+             "total_tokens": len(prompt.ids) + sum(len(c.token_ids) for c in choices)}
+    out = []
+    for c in choices:
+      lp = None
+      if req.logprobs:
+        toks = [self.builder.decode([t]) for t in c.token_ids]
+        lp = (api.token_logprobs(toks, c.logprobs) if chat else
+              {"tokens": toks, "token_logprobs": c.logprobs, "top_logprobs": None,
+               "text_offset": []})
+      if chat:
+        out.append({"index": c.index, "message": {**c.message, "refusal": None},
+                    "logprobs": lp, "finish_reason": c.finish_reason})
+      else:
+        out.append({"index": c.index, "text": c.text, "logprobs": lp,
+                    "finish_reason": c.finish_reason})
+    if chat:
+      return api.chat_response(call_id, req.model, out, usage)
+    return {"id": call_id, "object": "text_completion", "created": int(time.time()),
+            "model": req.model, "choices": out, "usage": usage}
+
+  def end(self, call_id, tenant, session, status, t0, choices=(), response=None, reason=None,
+          kind="chat", messages=None, tools=None, prompt: Optional[Prompt] = None) -> None:
+    for c in choices:  # the stored message is the normalised one (compared on the next call)
+      if c.message is not None:
+        c.message = normalize_messages([c.message])[0]
+    self.store.end_call(call_id, status=status, choices=list(choices), response=response,
+                        reason=reason, latency_s=time.perf_counter() - t0)
+    self.counts[status] += 1
+    if status == "complete" and prompt is not None:
+      self.history(tenant, session).append(
+          Turn(call_id, kind, messages, tools, prompt.text, prompt.ids, list(choices)))
+
+  # -- feedback ---------------------------------------------------------------------------------
+
+  def feedback(self, tenant: str, session: str, body: Any, call_id: Optional[str],
+               idempotency_key: Optional[str]) -> dict:
+    if not self.store.has_session(tenant, session):
+      raise api.ApiError(404, f"no session {session!r}", "session", "not_found")
+    if not isinstance(body, dict):
+      raise api.ApiError(400, "the feedback body must be a JSON object")
+    unknown = sorted(set(body) - {"grade", "rubric", "text", "call_id", "id"})
+    if unknown:
+      raise api.ApiError(400, f"unknown feedback field {unknown[0]!r}", unknown[0])
+    call_id = call_id or body.get("call_id")
+    if call_id is not None:
+      c = self.store.call(call_id, tenant)
+      if c is None or c.session != session:
+        raise api.ApiError(404, f"no call {call_id!r} in session {session!r}", "call_id",
+                           "not_found")
+    grade, rubric, text = body.get("grade"), body.get("rubric"), body.get("text")
+    if grade is not None and (isinstance(grade, bool) or not isinstance(grade, (int, float))
+                              or grade != grade):
+      raise api.ApiError(400, "grade must be a number", "grade")
+    if rubric is not None and not (isinstance(rubric, dict) and all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+        for k, v in rubric.items())):
+      raise api.ApiError(400, "rubric must be an object of criterion -> number", "rubric")
+    if text is not None and not isinstance(text, str):
+      raise api.ApiError(400, "text must be a string", "text")
+    if grade is None and not rubric and not text:
+      raise api.ApiError(400, "feedback needs a grade, a rubric or a text", "grade")
+    fid = body.get("id") or idempotency_key
+    if fid is not None and (not isinstance(fid, str) or not 0 < len(fid) <= 200):
+      raise api.ApiError(400, "id must be a string of 1..200 characters", "id")
+    if fid is None:  # the same feedback posted twice is stored once
+      canon = json.dumps([tenant, session, call_id, grade, rubric, text], sort_keys=True)
+      fid = "fb-" + hashlib.sha256(canon.encode()).hexdigest()[:32]
+    new = self.store.add_feedback(Feedback(
+        id=fid, tenant=tenant, session=session, call_id=call_id, created=time.time(),
+        grade=None if grade is None else float(grade), rubric=rubric, text=text, source="api"))
+    return {"id": fid, "session": session, "call_id": call_id, "created": new}
+
+  def session_detail(self, tenant: str, session: str) -> dict:
+    if not self.store.has_session(tenant, session):
+      raise api.ApiError(404, f"no session {session!r}", "session", "not_found")
+    calls = self.store.calls(tenant, session)
+    return {"id": session, "calls": [
+        {"id": c.id, "created": c.created, "kind": c.kind, "status": c.status, "reason": c.reason,
+         "latency_s": c.latency_s, "prompt_tokens": len(c.prompt_ids),
+         "parent_call": c.parent_call, "break_reason": c.break_reason,
+         "versions": [ch.version for ch in c.choices]} for c in calls],
+        "feedback": [dataclasses.asdict(f) for f in self.store.feedback(tenant, session)]}
+
+  def samples(self, tenant: str, session: str) -> dict:
+    if not self.store.has_session(tenant, session):
+      raise api.ApiError(404, f"no session {session!r}", "session", "not_found")
+    trajs, stats = rebuild_session(session, self.store.calls(tenant, session),
+                                   self.store.feedback(tenant, session))
+    return {"samples": [t.to_dict() for t in trajs], "stats": dict(stats)}

@@ -1,0 +1,432 @@
+"""The trace store: every call the proxy served, append-only, in SQLite (WAL mode).
+
+Why SQLite: one file, no server to run beside the proxy, transactions that survive `kill -9`
+(the write-ahead log is replayed on the next open), and the queries we need (by tenant, session,
+time, status) are plain indexed SQL. One process writes (the proxy); trainers and exports read
+concurrently, which WAL allows without blocking the writer.
+
+Nothing is ever updated or deleted. A call is two rows, written at two moments:
+
+    calls     inserted when the request is accepted (request, rendered prompt and its ids, the
+              session, where its prompt continues an earlier call: parent call and choice, or
+              the reason it does not)
+    results   inserted when the call ends: status "complete" (the response reached the client),
+              "incomplete" (the client went away, the stream was cut) or "error" (our engine
+              failed), with per choice the sampled ids, their log-probs, finish reason and
+              policy version, and the latency
+
+A call with no results row was cut by the proxy dying: it reads as "incomplete". Only
+"complete" calls are ever trained on. Feedback rows (grades, rubrics, free text) attach to a
+session or one call at any later time, keyed for idempotency.
+
+Prompt ids are stored as a little-endian int32 blob (exact, ~4× smaller than JSON); each choice's
+sampled ids and log-probs as JSON (Python's float repr round-trips exactly). `export_jsonl` /
+`import_jsonl` carry everything as JSON lines with a schema version.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sqlite3
+import threading
+import time
+from typing import Any, Iterable, Iterator, Optional
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+CALL_STATUSES = ("complete", "incomplete", "error")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS calls (
+  id TEXT PRIMARY KEY, tenant TEXT NOT NULL, session TEXT NOT NULL, created REAL NOT NULL,
+  kind TEXT NOT NULL, request TEXT NOT NULL, messages TEXT, tools TEXT,
+  prompt_text TEXT NOT NULL, prompt_ids BLOB NOT NULL,
+  parent_call TEXT, parent_choice INTEGER, break_reason TEXT);
+CREATE INDEX IF NOT EXISTS calls_session ON calls (tenant, session, created);
+CREATE INDEX IF NOT EXISTS calls_time ON calls (tenant, created);
+CREATE TABLE IF NOT EXISTS results (
+  call_id TEXT PRIMARY KEY REFERENCES calls (id), finished REAL NOT NULL, status TEXT NOT NULL,
+  reason TEXT, response TEXT, choices TEXT NOT NULL, latency_s REAL);
+CREATE TABLE IF NOT EXISTS feedback (
+  id TEXT PRIMARY KEY, tenant TEXT NOT NULL, session TEXT NOT NULL, call_id TEXT,
+  created REAL NOT NULL, grade REAL, rubric TEXT, text TEXT, source TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS feedback_session ON feedback (tenant, session, created);
+CREATE TABLE IF NOT EXISTS session_keys (
+  key TEXT PRIMARY KEY, tenant TEXT NOT NULL, session TEXT NOT NULL, created REAL NOT NULL);
+"""
+
+
+class StoreError(ValueError):
+  """A record that cannot be stored or read back; the message names the field (and line)."""
+
+
+def _ids_blob(ids: Iterable[int]) -> bytes:
+  return np.asarray(list(ids), "<i4").tobytes()
+
+
+def _ids(blob: bytes) -> list[int]:
+  return np.frombuffer(blob, "<i4").tolist()
+
+
+@dataclasses.dataclass
+class Choice:
+  """One sampled continuation of a call, token-exact."""
+  index: int
+  token_ids: list[int]
+  logprobs: list[float]
+  finish_reason: str
+  version: int
+  text: str = ""                  # the text the client received (content; tool calls apart)
+  message: Optional[dict[str, Any]] = None   # the assistant message returned (chat calls)
+
+  def to_json(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class CallRecord:
+  """A call as read back: the `calls` row joined with its result (if any)."""
+  id: str
+  tenant: str
+  session: str
+  created: float
+  kind: str                       # "chat" | "completion"
+  request: dict[str, Any]
+  messages: Optional[list[dict[str, Any]]]   # the normalised chat (chat calls)
+  tools: Optional[list[dict[str, Any]]]
+  prompt_text: str
+  prompt_ids: list[int]
+  parent_call: Optional[str] = None
+  parent_choice: Optional[int] = None
+  break_reason: Optional[str] = None
+  status: str = "incomplete"      # "complete" | "incomplete" | "error"
+  reason: Optional[str] = None    # why incomplete / error
+  finished: Optional[float] = None
+  response: Optional[dict[str, Any]] = None
+  choices: list[Choice] = dataclasses.field(default_factory=list)
+  latency_s: Optional[float] = None
+
+  def to_json(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d["choices"] = [c.to_json() for c in self.choices]
+    return d
+
+
+@dataclasses.dataclass(frozen=True)
+class Feedback:
+  id: str
+  tenant: str
+  session: str
+  call_id: Optional[str]
+  created: float
+  grade: Optional[float]
+  rubric: Optional[dict[str, float]]
+  text: Optional[str]
+  source: str                     # "api" | "grader:<name>" | "import"
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+  """Where the trace store lives and how hard it syncs."""
+  path: str = "runs/traces.db"    # the SQLite file (created with its folder)
+  synchronous: str = "FULL"       # SQLite PRAGMA synchronous: FULL survives power loss, NORMAL
+                                  # only process crashes (kill -9), at less latency per call
+  busy_timeout_ms: int = 5000     # how long a reader waits on the writer's lock
+
+
+class TraceStore:
+  """The append-only store (module docstring). Thread-safe: one connection behind a lock."""
+
+  def __init__(self, cfg: StoreConfig = StoreConfig()):
+    if cfg.synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
+      raise StoreError(f"StoreConfig.synchronous={cfg.synchronous!r}; valid: NORMAL, FULL, EXTRA")
+    self.cfg = cfg
+    path = pathlib.Path(cfg.path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+      self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None,
+                                 timeout=cfg.busy_timeout_ms / 1000)
+      self._db.execute("PRAGMA journal_mode=WAL")
+      self._db.execute(f"PRAGMA synchronous={cfg.synchronous.upper()}")
+      version = self._db.execute("PRAGMA user_version").fetchone()[0]
+      if version not in (0, SCHEMA_VERSION):
+        raise StoreError(f"{path}: trace store schema version {version}; this code reads "
+                         f"{SCHEMA_VERSION}")
+      self._db.executescript(_SCHEMA)
+      self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    except sqlite3.DatabaseError as e:
+      raise StoreError(f"{path}: cannot open the trace store ({e})") from e
+    self._lock = threading.Lock()
+
+  def close(self) -> None:
+    with self._lock:
+      self._db.close()
+
+  def _write(self, sql: str, args: tuple) -> None:
+    with self._lock:
+      try:
+        self._db.execute(sql, args)
+      except sqlite3.IntegrityError as e:
+        raise StoreError(f"trace store: {e}") from e
+
+  # -- writing --------------------------------------------------------------------------------
+
+  def begin_call(self, *, call_id: str, tenant: str, session: str, kind: str,
+                 request: dict[str, Any], prompt_text: str, prompt_ids: list[int],
+                 messages: Optional[list] = None, tools: Optional[list] = None,
+                 parent_call: Optional[str] = None, parent_choice: Optional[int] = None,
+                 break_reason: Optional[str] = None, created: Optional[float] = None) -> None:
+    """Records an accepted call before it is served (it reads as incomplete until `end_call`)."""
+    self._write(
+        "INSERT INTO calls VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        (call_id, tenant, session, time.time() if created is None else created, kind,
+         json.dumps(request), None if messages is None else json.dumps(messages),
+         None if tools is None else json.dumps(tools), prompt_text, _ids_blob(prompt_ids),
+         parent_call, parent_choice, break_reason))
+
+  def end_call(self, call_id: str, *, status: str, choices: list[Choice] = (),
+               response: Optional[dict] = None, reason: Optional[str] = None,
+               latency_s: Optional[float] = None, finished: Optional[float] = None) -> None:
+    """Records how a call ended (once; a second end of the same call is refused)."""
+    if status not in CALL_STATUSES:
+      raise StoreError(f"call status {status!r}; valid: {CALL_STATUSES}")
+    for c in choices:
+      if len(c.token_ids) != len(c.logprobs):
+        raise StoreError(f"call {call_id} choice {c.index}: {len(c.token_ids)} ids but "
+                         f"{len(c.logprobs)} log-probs")
+    self._write("INSERT INTO results VALUES (?,?,?,?,?,?,?)",
+                (call_id, time.time() if finished is None else finished, status, reason,
+                 None if response is None else json.dumps(response),
+                 json.dumps([c.to_json() for c in choices]), latency_s))
+
+  def add_feedback(self, fb: Feedback) -> bool:
+    """Stores `fb` unless a feedback with its id exists (idempotent); True if it was new."""
+    with self._lock:
+      cur = self._db.execute(
+          "INSERT OR IGNORE INTO feedback VALUES (?,?,?,?,?,?,?,?,?)",
+          (fb.id, fb.tenant, fb.session, fb.call_id, fb.created, fb.grade,
+           None if fb.rubric is None else json.dumps(fb.rubric), fb.text, fb.source))
+      return cur.rowcount == 1
+
+  def add_session_key(self, key: str, tenant: str, session: str) -> None:
+    self._write("INSERT INTO session_keys VALUES (?,?,?,?)", (key, tenant, session, time.time()))
+
+  # -- reading --------------------------------------------------------------------------------
+
+  def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
+    with self._lock:
+      return self._db.execute(sql, args).fetchall()
+
+  def session_key(self, key: str) -> Optional[tuple[str, str]]:
+    """(tenant, session) of a per-session API key, or None."""
+    rows = self._query("SELECT tenant, session FROM session_keys WHERE key=?", (key,))
+    return rows[0] if rows else None
+
+  _SELECT = ("SELECT c.*, r.finished, r.status, r.reason, r.response, r.choices, r.latency_s "
+             "FROM calls c LEFT JOIN results r ON r.call_id = c.id")
+
+  @staticmethod
+  def _record(row: tuple) -> CallRecord:
+    (cid, tenant, session, created, kind, request, messages, tools, prompt_text, prompt_ids,
+     parent_call, parent_choice, break_reason, finished, status, reason, response, choices,
+     latency) = row
+    return CallRecord(
+        id=cid, tenant=tenant, session=session, created=created, kind=kind,
+        request=json.loads(request), messages=None if messages is None else json.loads(messages),
+        tools=None if tools is None else json.loads(tools), prompt_text=prompt_text,
+        prompt_ids=_ids(prompt_ids), parent_call=parent_call, parent_choice=parent_choice,
+        break_reason=break_reason, status=status or "incomplete",
+        reason=reason if status else "no result recorded (the proxy stopped mid-call)",
+        finished=finished, response=None if response is None else json.loads(response),
+        choices=[Choice(**c) for c in json.loads(choices)] if choices else [],
+        latency_s=latency)
+
+  def call(self, call_id: str, tenant: Optional[str] = None) -> Optional[CallRecord]:
+    """One call (only if it belongs to `tenant`, when given)."""
+    sql, args = self._SELECT + " WHERE c.id=?", (call_id,)
+    if tenant is not None:
+      sql, args = sql + " AND c.tenant=?", (call_id, tenant)
+    rows = self._query(sql, args)
+    return self._record(rows[0]) if rows else None
+
+  def calls(self, tenant: str, session: Optional[str] = None, *, status: Optional[str] = None,
+            since: Optional[float] = None, until: Optional[float] = None) -> list[CallRecord]:
+    """A tenant's calls (of one session, a status, a time range), oldest first."""
+    where, args = ["c.tenant=?"], [tenant]
+    if session is not None:
+      where.append("c.session=?")
+      args.append(session)
+    if since is not None:
+      where.append("c.created>=?")
+      args.append(since)
+    if until is not None:
+      where.append("c.created<?")
+      args.append(until)
+    rows = self._query(self._SELECT + " WHERE " + " AND ".join(where) +
+                       " ORDER BY c.created, c.rowid", tuple(args))
+    out = [self._record(r) for r in rows]
+    return [c for c in out if c.status == status] if status else out
+
+  def sessions(self, tenant: str, *, since: Optional[float] = None) -> list[dict[str, Any]]:
+    """A tenant's sessions: id, first / last call time, number of calls, newest first."""
+    rows = self._query(
+        "SELECT session, MIN(created), MAX(created), COUNT(*) FROM calls WHERE tenant=? "
+        "AND created>=? GROUP BY session ORDER BY MAX(created) DESC",
+        (tenant, -1.0 if since is None else since))
+    return [{"id": s, "first_call": a, "last_call": b, "calls": n} for s, a, b, n in rows]
+
+  def has_session(self, tenant: str, session: str) -> bool:
+    return bool(self._query("SELECT 1 FROM calls WHERE tenant=? AND session=? LIMIT 1",
+                            (tenant, session)) or
+                self._query("SELECT 1 FROM session_keys WHERE tenant=? AND session=? LIMIT 1",
+                            (tenant, session)))
+
+  def feedback(self, tenant: str, session: Optional[str] = None) -> list[Feedback]:
+    """A tenant's feedback (of one session), oldest first."""
+    sql, args = "SELECT * FROM feedback WHERE tenant=?", [tenant]
+    if session is not None:
+      sql, args = sql + " AND session=?", args + [session]
+    rows = self._query(sql + " ORDER BY created, rowid", tuple(args))
+    return [Feedback(i, t, s, c, cr, g, None if r is None else json.loads(r), x, src)
+            for i, t, s, c, cr, g, r, x, src in rows]
+
+  def tenants(self) -> list[str]:
+    return [r[0] for r in self._query("SELECT DISTINCT tenant FROM calls ORDER BY tenant")]
+
+  # -- export / import ------------------------------------------------------------------------
+
+  def export_jsonl(self, path: str, tenant: Optional[str] = None) -> int:
+    """Writes every call and feedback (of `tenant`, or all) as JSON lines; returns the count.
+    The file is written beside its destination and renamed, so a failed export leaves no
+    half-written file."""
+    out = pathlib.Path(path)
+    tmp = out.with_name(out.name + ".tmp")
+    n = 0
+    with open(tmp, "w") as f:
+      for t in ([tenant] if tenant else self.tenants()):
+        for c in self.calls(t):
+          f.write(json.dumps({"schema_version": SCHEMA_VERSION, "type": "call", **c.to_json()})
+                  + "\n")
+          n += 1
+        for fb in self.feedback(t):
+          f.write(json.dumps({"schema_version": SCHEMA_VERSION, "type": "feedback",
+                              **dataclasses.asdict(fb)}) + "\n")
+          n += 1
+    tmp.replace(out)
+    return n
+
+  def import_jsonl(self, path: str) -> tuple[int, list[str]]:
+    """Reads an export: every valid record is stored, in one transaction; returns (stored,
+    errors), each error naming its line and field. Records already present are skipped."""
+    records, errors = [], []
+    with open(path) as f:
+      for lineno, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        try:
+          records.append(_parse_record(line))
+        except StoreError as e:
+          errors.append(f"{path}:{lineno}: {e}")
+    stored = 0
+    with self._lock:
+      self._db.execute("BEGIN IMMEDIATE")
+      try:
+        for kind, rec in records:
+          stored += self._insert_imported(kind, rec)
+        self._db.execute("COMMIT")
+      except BaseException:
+        self._db.execute("ROLLBACK")
+        raise
+    return stored, errors
+
+  def _insert_imported(self, kind: str, r: dict) -> int:
+    if kind == "feedback":
+      cur = self._db.execute("INSERT OR IGNORE INTO feedback VALUES (?,?,?,?,?,?,?,?,?)",
+                             (r["id"], r["tenant"], r["session"], r["call_id"], r["created"],
+                              r["grade"], None if r["rubric"] is None else json.dumps(r["rubric"]),
+                              r["text"], r["source"]))
+      return cur.rowcount
+    cur = self._db.execute(
+        "INSERT OR IGNORE INTO calls VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        (r["id"], r["tenant"], r["session"], r["created"], r["kind"], json.dumps(r["request"]),
+         None if r["messages"] is None else json.dumps(r["messages"]),
+         None if r["tools"] is None else json.dumps(r["tools"]), r["prompt_text"],
+         _ids_blob(r["prompt_ids"]), r["parent_call"], r["parent_choice"], r["break_reason"]))
+    if cur.rowcount and r["finished"] is not None:
+      self._db.execute("INSERT INTO results VALUES (?,?,?,?,?,?,?)",
+                       (r["id"], r["finished"], r["status"], r["reason"],
+                        None if r["response"] is None else json.dumps(r["response"]),
+                        json.dumps(r["choices"]), r["latency_s"]))
+    return cur.rowcount
+
+
+_CALL_FIELDS = {f.name: f for f in dataclasses.fields(CallRecord)}
+_FEEDBACK_FIELDS = {f.name for f in dataclasses.fields(Feedback)}
+_CHOICE_FIELDS = {f.name for f in dataclasses.fields(Choice)}
+
+
+def _check_ids(value: Any, field: str, kind: tuple = (int,), what: str = "integers") -> None:
+  if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool)
+                                            for v in value):
+    raise StoreError(f"field {field!r} must be a list of {what}")
+
+
+def _parse_record(line: str) -> tuple[str, dict]:
+  """One exported line, validated (StoreError names the field)."""
+  try:
+    r = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise StoreError(f"not JSON ({e.msg} at column {e.colno})") from None
+  if not isinstance(r, dict):
+    raise StoreError("a record must be a JSON object")
+  if r.get("schema_version") != SCHEMA_VERSION:
+    raise StoreError(f"field 'schema_version' is {r.get('schema_version')!r}; this code reads "
+                     f"{SCHEMA_VERSION}")
+  kind = r.get("type")
+  if kind == "feedback":
+    missing = _FEEDBACK_FIELDS - set(r)
+    if missing:
+      raise StoreError(f"feedback record lacks field {sorted(missing)[0]!r}")
+    for k in ("id", "tenant", "session", "source"):
+      if not isinstance(r[k], str) or not r[k]:
+        raise StoreError(f"field {k!r} must be a non-empty string")
+    if r["grade"] is not None and (isinstance(r["grade"], bool) or
+                                   not isinstance(r["grade"], (int, float))):
+      raise StoreError("field 'grade' must be a number or null")
+    return kind, r
+  if kind != "call":
+    raise StoreError(f"field 'type' is {kind!r}; valid: 'call', 'feedback'")
+  missing = set(_CALL_FIELDS) - set(r)
+  if missing:
+    raise StoreError(f"call record lacks field {sorted(missing)[0]!r}")
+  for k in ("id", "tenant", "session", "kind", "prompt_text"):
+    if not isinstance(r[k], str) or (k != "prompt_text" and not r[k]):
+      raise StoreError(f"field {k!r} must be a non-empty string")
+  if not isinstance(r["created"], (int, float)) or isinstance(r["created"], bool):
+    raise StoreError("field 'created' must be a number")
+  if not isinstance(r["request"], dict):
+    raise StoreError("field 'request' must be an object")
+  _check_ids(r["prompt_ids"], "prompt_ids")
+  if r["status"] not in CALL_STATUSES:
+    raise StoreError(f"field 'status' is {r['status']!r}; valid: {CALL_STATUSES}")
+  if not isinstance(r["choices"], list):
+    raise StoreError("field 'choices' must be a list")
+  for i, c in enumerate(r["choices"]):
+    if not isinstance(c, dict) or set(c) != _CHOICE_FIELDS:
+      raise StoreError(f"field 'choices[{i}]' must be an object with {sorted(_CHOICE_FIELDS)}")
+    _check_ids(c["token_ids"], f"choices[{i}].token_ids")
+    _check_ids(c["logprobs"], f"choices[{i}].logprobs", (int, float), "numbers")
+    if len(c["token_ids"]) != len(c["logprobs"]):
+      raise StoreError(f"field 'choices[{i}]': {len(c['token_ids'])} ids but "
+                       f"{len(c['logprobs'])} log-probs")
+  if r["status"] == "complete" and r["finished"] is None:
+    raise StoreError("field 'finished' is null on a complete call")
+  return kind, r
+
+
+def iter_sessions(store: TraceStore, tenant: str) -> Iterator[tuple[str, list[CallRecord]]]:
+  """(session, its calls oldest first) for every session of `tenant`."""
+  for s in store.sessions(tenant):
+    yield s["id"], store.calls(tenant, s["id"])
