@@ -85,7 +85,8 @@ def parse_request(body: Any, *, chat: bool, models: tuple[str, ...], max_tokens_
   if unknown:
     raise ApiError(400, f"unknown parameter {unknown[0]!r}", unknown[0], "unknown_parameter")
   mt_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-  max_tokens = _num(body, mt_key, 1, max_tokens_limit, max_tokens_default, (int,))
+  max_tokens = _num(body, mt_key, 1, max_tokens_limit, min(max_tokens_default, max_tokens_limit),
+                    (int,))
   temperature = _num(body, "temperature", 0, 2, 1.0)
   top_p = _num(body, "top_p", 0, 1, 1.0)
   if top_p == 0:

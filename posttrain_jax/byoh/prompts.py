@@ -20,8 +20,8 @@ rebuilder (rebuild.py) finds the continuation by token prefix.
 
 A chat that continues nothing is rendered whole (`render` once, `encode` once) and starts a new
 training sample; the reason is recorded: "system_prompt_changed", "tools_changed", "sub_agent"
-(a conversation that shares no message with any earlier one), "history_edited" (an earlier
-message or our assistant turn came back changed), "repeated_prompt" (the same chat again, e.g. a
+(a conversation that shares no message with an earlier one and holds none of our turns),
+"history_edited" (an earlier message or our assistant turn came back changed), "repeated_prompt" (the same chat again, e.g. a
 retry). The first call of a session has no reason.
 
 Messages are normalised before comparison: `developer` is `system`, `content: None` is "",
@@ -229,6 +229,10 @@ class PromptBuilder:
       first_new, first_old = messages[0], near.messages[0]
       if first_new["role"] == first_old["role"] == "system":
         return "system_prompt_changed"
+      ours = [c.message for t in chats for c in t.choices if c.message is not None]
+      if any(m["role"] == "assistant" and any(same_message(m, o) for o in ours)
+             for m in messages):
+        return "history_edited"   # the first message changed under a turn we served
       return "sub_agent"
     if (near.tools or None) != tools:
       return "tools_changed"
