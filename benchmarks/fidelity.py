@@ -62,8 +62,11 @@ Measured on the 2-core dev box, 2026-12-01, --base = configs/tool_math.py's 700-
              naive run), mostly the long path's check calls, so the long path was less correct
              than designed and lost under either scoring; GRPO's fixing the calls also raised
              held-out success, which is why the audit read the naive shortening as legitimate.
-             Next: SFT the case until its check calls are clean (malformed ≈ 0 at the start of
-             GRPO), then both runs again.
+             Counting was not the cause: with check() printing "(run k of 5)" the first GRPO
+             step still broke 23% of calls and 25% of episodes timed out (stray </tool_call>
+             tags, "checit": token noise at temperature 1.0 over six calls). At rollout
+             temperature 0.7 the same SFT model broke 0% and timed out 0% (2 steps, 64
+             episodes each), so the case now samples at 0.7 (eval too). Both runs: pending.
 How the design got here (each failed run taught one constraint):
   A/B  1-digit arithmetic from scratch (2- and 4-layer models): the tiny model never learned
        to copy operands into a call, so the tool path was no more accurate than guessing, and
@@ -104,7 +107,11 @@ from posttrain_jax.types import Status
 TASKS = {"min_digits": 4, "max_digits": 4, "ops": "*"}  # configs/tool_math.py's products
 CASES = {  # case -> environment, its config, budgets, naive / default settings, measured key
     "infra": {"env": "tool_math_fidelity_infra", "env_config": {"infra_fault_rate": 0.1},
-              "tasks": TASKS, "turn_max_tokens": 48, "seq_len": 736, "lr": 6e-5,
+              "tasks": TASKS, "turn_max_tokens": 48, "seq_len": 800, "lr": 6e-5,
+              # at 1.0 the SFT model broke 23% of its calls (stray tags, "checit"), mostly the
+              # long path's, and 25% of episodes ran out of budget; at 0.7: 0% and 0% (measured
+              # over 2 GRPO steps of 64 episodes), so the long path is as correct as designed
+              "temperature": 0.7,
               "budgets": {"max_turns": 7, "max_tokens": 280, "max_tool_calls": 7},
               "naive": {"infra_scoring": "zero"}, "default": {"infra_scoring": "exclude"},
               "key": "response_len/mean"},
@@ -112,7 +119,7 @@ CASES = {  # case -> environment, its config, budgets, naive / default settings,
     # a turn may run past the episode's token budget (72 > 64): a long think is a timeout
     "timeout": {"env": "tool_math_fidelity_timeout", "env_config": {},
                 "tasks": {**TASKS, "hard_fraction": 1.0, "hard_digits": 4},
-                "turn_max_tokens": 72, "seq_len": 448, "lr": 1.5e-4,
+                "turn_max_tokens": 72, "seq_len": 448, "lr": 1.5e-4, "temperature": 1.0,
                 "budgets": {"max_turns": 3, "max_tokens": 64, "max_tool_calls": 2},
                 "naive": {"timeouts": "drop"}, "default": {"timeouts": "score"},
                 "key": "fidelity/timeout_frac/hard"},
@@ -151,12 +158,13 @@ def run_config(workdir: pathlib.Path, base: pathlib.Path, case: str, naive: bool
                                 "tool_format": "hermes", "turn_max_tokens": c["turn_max_tokens"],
                                 "max_context_tokens": seq, "budgets": c["budgets"],
                                 **c["naive" if naive else "default"]},
-             "rollout": {"group_size": 8, "temperature": 1.0},
+             "rollout": {"group_size": 8, "temperature": c["temperature"]},
              "learner": {"loss": "grpo", "optimizer": {"learning_rate": lr or c["lr"],
                                                        "warmup_steps": 2}},
              "loss": {"eps_low": 0.2, "eps_high": 0.28, "aggregation": "token_mean"},
              "batch": {"rows": 80, "seq_len": seq, "max_seqs": 80, "pack": False}},
-      "eval": {"every_steps": 8, "samples_per_prompt": 2, "temperature": 1.0, "greedy": False},
+      "eval": {"every_steps": 8, "samples_per_prompt": 2, "temperature": c["temperature"],
+               "greedy": False},
       "checkpoint": {"every_steps": 1000, "max_to_keep": 1},
   })
 

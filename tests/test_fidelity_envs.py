@@ -192,9 +192,10 @@ def test_check_reruns_the_last_program_on_the_faulty_backend():
       await env.close()
     return out, dict(env.counts)
 
-  out, counts = asyncio.run(calls(spec.build(spec.config_cls()), None, "print(6*7)", None))
+  out, counts = asyncio.run(calls(spec.build(spec.config_cls()), None, "print(6*7)", None, None))
   assert out[0].startswith("error: check: no python program") and counts["tool_failed"] == 1
-  assert out[1:] == ["42", "42"]
+  n = fidelity_envs.VERIFY_RERUNS
+  assert out[1:] == ["42", f"42 (run 1 of {n})", f"42 (run 2 of {n})"]
   faulty = spec.build(spec.config_cls(infra_fault_rate=0.5))
   faulty._faults.random = iter([0.9, 0.1]).__next__  # python's draw passes, check's faults
   with pytest.raises(EnvInfraError, match="injected"):

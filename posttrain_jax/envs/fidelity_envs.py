@@ -14,7 +14,11 @@ the episode with what the last program printed as the answer (it reaches no back
     slot 0      tool     call python(print(a*b)), then submit()
     slot 1-3    verify   call python(print(a*b)), check() 5 times, then submit(): 6 backend
                          calls instead of 1, ~3× the tokens, and exactly as correct (neither
-                         check nor submit copies anything: the answer is the first call's)
+                         check nor submit copies anything: the answer is the first call's).
+                         check() answers "<output> (run k of 5)", so the policy reads when to
+                         submit: without the count, the SFT model miscounted its own identical
+                         calls (a 6th check, "checit", a stray tag) and 26% of episodes ran out
+                         of budget at the first GRPO step, so the long path lost on its merits
   With 10% of backend calls failing on our side, a verify episode meets a fault 47% of the
   time and a tool episode 10%: scoring a fault 0 makes the longer path look worse than it is.
   Tried first and dropped, because the long path then failed on its own merits (the tiny model
@@ -61,6 +65,12 @@ CHECK = ToolSpec("check", "Runs the last program again.",
                  {"type": "object", "properties": {}})
 
 
+def check_output(printed: str, k: int) -> str:
+  """What the k-th check() of an episode returns (1-based): the program's output and the count,
+  so the policy reads when the demonstrated reruns are done instead of counting them itself."""
+  return f"{printed} (run {k} of {VERIFY_RERUNS})"
+
+
 SUBMIT = ToolSpec("submit", "Submits what the last program printed as the answer.",
                   {"type": "object", "properties": {}})
 
@@ -70,10 +80,10 @@ class VerifyEnv(ToolMathEnv):
   the same injected faults) and `submit` (grade what the last program printed; no backend)."""
   tools = (PYTHON, CHECK, SUBMIT)
 
-  def __init__(self, cfg: ToolMathConfig = ToolMathConfig()):
-    super().__init__(cfg)
-    self._last: str | None = None
-    self._printed = ""
+  async def opening(self, task: Task, seed: int) -> list[dict[str, Any]]:
+    self._last: str | None = None  # per episode: the last program, its output, checks so far
+    self._printed, self._checks = "", 0
+    return await super().opening(task, seed)
 
   async def call_python(self, code: str) -> str:
     self._last = code
@@ -83,7 +93,9 @@ class VerifyEnv(ToolMathEnv):
   async def call_check(self) -> str:
     if self._last is None:
       raise ToolFailure("tool_failed", "check: no python program has run yet")
-    return await super().call_python(self._last)
+    out = await super().call_python(self._last)
+    self._checks += 1
+    return check_output(out, self._checks)
 
   async def call_submit(self) -> str:  # reached only beside other calls (see step)
     raise ToolFailure("bad_arguments", "submit: call it alone, as the turn's only call")
@@ -111,7 +123,7 @@ def _chat(path: str, task: Task, tool_format: str, submit: bool) -> list[dict[st
     chat += _call(ToolCall("python", {"code": f"print({expr})"}), 0, tool_format, answer)
   if path == "verify":
     for i in range(VERIFY_RERUNS):
-      chat += _call(ToolCall("check", {}), i + 1, tool_format, answer)
+      chat += _call(ToolCall("check", {}), i + 1, tool_format, check_output(answer, i + 1))
   if path in ("tool", "verify") and submit:
     chat.append({"role": "assistant", "content": render_call(ToolCall("submit", {}), tool_format)})
   else:
