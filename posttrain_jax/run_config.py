@@ -14,6 +14,7 @@ from posttrain_jax.actors.pool import PoolConfig
 from posttrain_jax.actors.rollout import RolloutConfig
 from posttrain_jax.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from posttrain_jax.batching import BatchConfig
+from posttrain_jax.byoh.trace_source import TraceSourceConfig
 from posttrain_jax.checkpoint import CheckpointConfig
 from posttrain_jax.config_io import from_dict
 from posttrain_jax.engines.registry import engine_names, engine_spec
@@ -46,14 +47,16 @@ class SFTPhaseConfig:
   batch: BatchConfig = BatchConfig(rows=32, seq_len=48, max_seqs=64)
 
 
-RL_MODES = ("sync", "async")
+RL_MODES = ("sync", "async", "traces")
 
 
 @dataclasses.dataclass(frozen=True)
 class RLPhaseConfig:
-  """GRPO-family training on graded rollouts: generate-then-train ("sync", on-policy) or an actor
-  pool sampling while the learner trains ("async", bounded staleness, see actors/pool.py)."""
-  mode: str = "sync"              # "sync" | "async"
+  """GRPO-family training on graded rollouts: generate-then-train ("sync", on-policy), an actor
+  pool sampling while the learner trains ("async", bounded staleness, see actors/pool.py), or
+  graded sessions recorded by the proxy ("traces", byoh/trace_source.py: one trajectory per
+  task, so the `running` baseline; prompts_per_step sessions a step)."""
+  mode: str = "sync"              # "sync" | "async" | "traces"
   engine: str = "jax"             # rollout engine (engines/registry.py): jax | vllm | openai
   engine_config: Any = None       # that engine's config (class from the registry); None = defaults
   episode: str = "task"           # what a rollout is (actors/episode.py registry): "task" = single-turn
@@ -61,7 +64,9 @@ class RLPhaseConfig:
   replay: ReplayConfig = ReplayConfig()  # async: the replay queue (max_staleness, filter, ...)
   pool: PoolConfig = PoolConfig()  # async: the actor pool (concurrency, shutdown)
   retry: RetryConfig = RetryConfig()  # failed episodes: retries with backoff, requeues (both modes)
-  async_correction: str = "tis"   # async: correction used when the loss's is "none" ("none" = off)
+  traces: TraceSourceConfig = TraceSourceConfig()  # traces: the store and which sessions
+  async_correction: str = "tis"   # async / traces: correction used when the loss's is "none"
+                                  # ("none" = off)
   steps: int = 100                # optimizer steps
   prompts_per_step: int = 32      # tasks per step; each is sampled rollout.group_size times
   rollout: RolloutConfig = RolloutConfig()
@@ -88,10 +93,14 @@ class RLPhaseConfig:
       raise ValueError(f"advantage.estimator={self.advantage.estimator!r} is a group baseline: it "
                        f"needs rollout.group_size ≥ 2 (got {g}); for one sample per prompt use "
                        "'running'")
+    if self.mode == "traces" and ADVANTAGE_ESTIMATORS.get(self.advantage.estimator).kind == "group":
+      raise ValueError(f"rl.mode='traces' trains on single recorded sessions (no groups): "
+                       f"advantage.estimator={self.advantage.estimator!r} needs groups; use "
+                       "'running'")
     if self.mode == "async" and self.replay.min_scored > g:
       raise ValueError(f"replay.min_scored={self.replay.min_scored} > rollout.group_size={g}: "
                        "every group would be dropped; lower min_scored to at most group_size")
-    if self.prompts_per_step * g > self.batch.max_seqs:
+    if self.prompts_per_step * (1 if self.mode == "traces" else g) > self.batch.max_seqs:
       raise ValueError(f"prompts_per_step × rollout.group_size = {self.prompts_per_step * g} "
                        f"sequences exceed batch.max_seqs={self.batch.max_seqs}")
     ep = (self.episode_config if self.episode_config is not None
@@ -133,13 +142,13 @@ class RunConfig:
                        f"sft.batch.max_seqs={self.sft.batch.max_seqs}")
 
   def loss_config(self):
-    """The RL loss's config; in async mode a loss that can correct off-policy samples and was
-    given none gets `rl.async_correction` (stale samples are never trained as on-policy
+    """The RL loss's config; in async and traces mode a loss that can correct off-policy samples
+    and was given none gets `rl.async_correction` (stale samples are never trained as on-policy
     silently)."""
     spec = get_loss(self.rl.learner.loss)
     cfg = self.rl.loss if self.rl.loss is not None else spec.config_cls()
     names = {f.name for f in dataclasses.fields(cfg)}
-    if (self.rl.mode == "async" and "correction" in names and cfg.correction == "none"
+    if (self.rl.mode in ("async", "traces") and "correction" in names and cfg.correction == "none"
         and self.rl.async_correction != "none"):
       cfg = dataclasses.replace(cfg, correction=self.rl.async_correction, correction_cfg=None)
     return cfg

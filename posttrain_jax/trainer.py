@@ -42,6 +42,7 @@ from posttrain_jax.actors.episode import EpisodeContext, episode_spec
 from posttrain_jax.actors.multiturn import demonstration_trajectory, evaluate_episodes
 from posttrain_jax.actors.pool import AsyncRollouts
 from posttrain_jax.actors.rollout import SyncRollouts, draw_task, encode_prompt
+from posttrain_jax.byoh.trace_source import TraceRollouts
 from posttrain_jax.advantages import BaselineState
 from posttrain_jax.checkpoint import Checkpointer
 from posttrain_jax.config_io import ConfigTypeError, to_dict
@@ -213,6 +214,11 @@ class Trainer:
 
   def _rollout_source(self, learner: Learner, engine, base: pathlib.Path):
     cfg = self.cfg.rl
+    if cfg.mode == "traces":
+      self.log(f"training on graded sessions of {cfg.traces.store.path}: off-policy correction "
+               f"{getattr(self.loss_cfg, 'correction', 'none')!r} against the recorded "
+               "behaviour log-probs")
+      return TraceRollouts(cfg.traces, cfg.prompts_per_step, engine=engine)
     if cfg.mode == "async":  # an engine that is not shareable gets a second instance
       pool_engine = engine if self.engine_spec.shareable else self._engine(learner, base)
       episode = self._episode(pool_engine)

@@ -92,8 +92,12 @@ def rebuild_session(session: str, calls: Sequence[CallRecord],
         behaviour_logprobs=logps, policy_version=versions, group_id=None, source=Source.BYOH,
         messages=messages, reward=reward, feedback=text,
         status=Status.TRUNCATED if choice.finish_reason == "length" else Status.OK,
-        metrics={"calls": len(path), "tenant": call.tenant})
+        # one episode: advantages count a session once (advantages.py, sample_index 0)
+        metrics={"calls": len(path), "tenant": call.tenant, "sample_index": len(out),
+                 "samples": 0, "episode_id": f"{call.tenant}/{session}"})
     out.append(traj)
     stats["sampled_tokens"] += sum(mask)
+  for t in out:
+    t.metrics["samples"] = len(out)
   stats["samples"] = len(out)
   return out, stats

@@ -1,0 +1,134 @@
+"""Learning from recorded traces: a rollout source that reads graded sessions from the store.
+
+`rl.mode = "traces"` trains on what a harness already did through the proxy: sessions that can
+never be replayed, so there is no group to compare with. Each step takes up to
+`prompts_per_step` graded sessions not trained on yet (oldest grade first), rebuilds each into
+its samples (rebuild.py: the recorded ids, mask 1 on what was sampled, the session's grade as
+reward), and hands them to the same RL step as every other source. With one trajectory per
+task the baseline is the `running` estimator's; the off-policy correction of the loss works on
+the recorded behaviour log-probs, which may be many versions old. How old is reported per step:
+`traces/staleness/{mean,p50,max}` over sampled tokens (current version − the version that
+sampled the token).
+
+A session is taken once its grade exists and its last call is `settle_s` old (online, a running
+session may still grow). When none is ready a step waits up to `wait_s` (online mode) and then
+trains on nothing: rl_step leaves the weights untouched on an empty batch. The sessions taken
+are part of the checkpoint (`state()`), so a resumed run never trains on a session twice.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from posttrain_jax.byoh.rebuild import rebuild_session, session_grade
+from posttrain_jax.byoh.store import StoreConfig, TraceStore
+from posttrain_jax.envs.task import Task
+from posttrain_jax.types import Trajectory
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceSourceConfig:
+  """Which recorded sessions a run trains on, and how long it waits for them."""
+  store: StoreConfig = StoreConfig()    # the trace store the proxy records into
+  tenant: Optional[str] = None          # one tenant's sessions; None = every tenant's
+  settle_s: float = 0.0                 # a session is ready once its last call is this old
+  wait_s: float = 0.0                   # a step with no ready session waits this long for one
+  poll_s: float = 0.25                  # how often it looks while waiting
+
+  def __post_init__(self):
+    for name in ("settle_s", "wait_s", "poll_s"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"TraceSourceConfig.{name} must be ≥ 0, got {getattr(self, name)}")
+
+
+class TraceRollouts:
+  """The rollout-source protocol (update_weights / collect / metrics / state) over a store.
+
+  `engine`: where new weights go (online: the proxy's engine, hot-swapped); may be None."""
+
+  def __init__(self, cfg: TraceSourceConfig, sessions_per_step: int, engine=None,
+               store: Optional[TraceStore] = None, clock: Callable[[], float] = time.time,
+               sleep: Callable[[float], None] = time.sleep):
+    self.cfg, self.per_step, self.engine = cfg, sessions_per_step, engine
+    self.store = store or TraceStore(cfg.store)
+    self._clock, self._sleep = clock, sleep
+    self.version = 0
+    self._taken: set[tuple[str, str]] = set()
+    self._metrics: dict[str, float] = {}
+    self._totals: collections.Counter = collections.Counter()
+
+  def update_weights(self, params, version: int) -> None:
+    self.version = version
+    if self.engine is not None:
+      self.engine.update_weights(params, version)
+
+  def _ready(self) -> list[tuple[float, str, str]]:
+    """(grade time, tenant, session) of graded, settled sessions not taken yet, oldest first."""
+    tenants = [self.cfg.tenant] if self.cfg.tenant else self.store.tenants()
+    now, out = self._clock(), []
+    for tenant in tenants:
+      graded: dict[str, float] = {}
+      for fb in self.store.feedback(tenant):
+        if fb.call_id is None and fb.grade is not None:
+          graded[fb.session] = fb.created          # the latest grade's time
+      for s in self.store.sessions(tenant):
+        key = (tenant, s["id"])
+        if key in self._taken or s["id"] not in graded:
+          continue
+        if now - s["last_call"] >= self.cfg.settle_s:
+          out.append((graded[s["id"]], tenant, s["id"]))
+    return sorted(out)
+
+  def collect(self, step: int) -> tuple[list[Task], list[Trajectory]]:
+    ready = self._ready()
+    deadline = self._clock() + self.cfg.wait_s
+    while not ready and self._clock() < deadline:
+      self._sleep(self.cfg.poll_s)
+      ready = self._ready()
+    tasks, trajs, counts = [], [], collections.Counter()
+    for _, tenant, session in ready[:self.per_step]:
+      self._taken.add((tenant, session))
+      feedback = self.store.feedback(tenant, session)
+      samples, stats = rebuild_session(session, self.store.calls(tenant, session), feedback)
+      counts.update(stats)
+      counts["sessions"] += 1
+      if not samples:
+        counts["sessions_without_samples"] += 1
+        continue
+      tasks.append(Task(id=f"{tenant}/{session}", prompt=session, answer="",
+                        metadata={"grade": session_grade(feedback)}))
+      trajs += samples
+    stale = [self.version - v for t in trajs for v, m in zip(t.policy_version, t.loss_mask) if m]
+    self._totals.update(counts)
+    self._metrics = {f"traces/{k}": float(v) for k, v in counts.items()}
+    self._metrics.update({
+        "traces/backlog": float(max(len(ready) - self.per_step, 0)),
+        "traces/total/sessions": float(self._totals["sessions"]),
+        "traces/staleness/mean": float(np.mean(stale)) if stale else float("nan"),
+        "traces/staleness/p50": float(np.median(stale)) if stale else float("nan"),
+        "traces/staleness/max": float(np.max(stale)) if stale else float("nan"),
+    })
+    return tasks, trajs
+
+  def metrics(self) -> dict[str, float]:
+    return dict(self._metrics)
+
+  def state(self) -> dict[str, Any]:
+    return {"kind": "traces", "taken": sorted(list(k) for k in self._taken),
+            "totals": dict(self._totals)}
+
+  def restore(self, state: dict) -> None:
+    if not state:
+      return
+    if state.get("kind") != "traces":
+      raise ValueError(f"checkpointed rollout state is {state.get('kind')!r}, not 'traces': it "
+                       "was written by another RLPhaseConfig.mode; resume with that mode")
+    self._taken = {tuple(k) for k in state["taken"]}
+    self._totals = collections.Counter(state["totals"])
+
+  def close(self) -> None:
+    pass
