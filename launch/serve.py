@@ -18,23 +18,9 @@ from posttrain_jax.launch.cli import flags_parser
 _DEFAULT = pathlib.Path(__file__).resolve().parent.parent / "configs" / "serve.py"
 
 
-def _tool_format(cfg, tokenizer, chat_format):
-  if cfg.tool_format != "auto":
-    return None if cfg.tool_format == "none" else cfg.tool_format
-  if chat_format:
-    from posttrain_jax.models.chat_templates import CHAT_FORMATS
-    return CHAT_FORMATS.get(chat_format).tool_format
-  template = tokenizer.chat_template or ""
-  if "<tool_call>" in template:
-    return "hermes"
-  if "<|python_tag|>" in template or "ipython" in template:
-    return "llama3_json"
-  return None
-
-
 def build_proxy(cfg):
   """The Proxy of a ServeConfig: model, tokenizer, engine (as the trainer builds it), store."""
-  from posttrain_jax.byoh.server import Proxy
+  from posttrain_jax.byoh.server import Proxy, detect_tool_format
   from posttrain_jax.byoh.store import TraceStore
   from posttrain_jax.engines.registry import EngineContext, engine_spec
   from posttrain_jax.models import hf_io
@@ -71,9 +57,9 @@ def build_proxy(cfg):
                       "{key: tenant}")
     import dataclasses
     proxy_cfg = dataclasses.replace(proxy_cfg, api_keys=proxy_cfg.api_keys + tuple(keys.items()))
-  chat_format = None if cfg.model_path else cfg.tiny.chat_format
-  return Proxy(proxy_cfg, engine, tokenizer, TraceStore(cfg.store), stops,
-               _tool_format(cfg, tokenizer, chat_format))
+  tool_format = {"auto": detect_tool_format(tokenizer), "none": None}.get(cfg.tool_format,
+                                                                          cfg.tool_format)
+  return Proxy(proxy_cfg, engine, tokenizer, TraceStore(cfg.store), stops, tool_format)
 
 
 def main(argv):

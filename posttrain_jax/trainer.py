@@ -42,6 +42,7 @@ from posttrain_jax.actors.episode import EpisodeContext, episode_spec
 from posttrain_jax.actors.multiturn import demonstration_trajectory, evaluate_episodes
 from posttrain_jax.actors.pool import AsyncRollouts
 from posttrain_jax.actors.rollout import SyncRollouts, draw_task, encode_prompt
+from posttrain_jax.byoh.online import OnlineServer
 from posttrain_jax.byoh.trace_source import TraceRollouts
 from posttrain_jax.advantages import BaselineState
 from posttrain_jax.checkpoint import Checkpointer
@@ -218,7 +219,19 @@ class Trainer:
       self.log(f"training on graded sessions of {cfg.traces.store.path}: off-policy correction "
                f"{getattr(self.loss_cfg, 'correction', 'none')!r} against the recorded "
                "behaviour log-probs")
-      return TraceRollouts(cfg.traces, cfg.prompts_per_step, engine=engine)
+      if not cfg.traces.online.enabled:
+        return TraceRollouts(cfg.traces, cfg.prompts_per_step, engine=engine)
+      # online: a serving engine of its own, on a copy of the weights (the learner donates its
+      # buffers while the server samples), swapped every step
+      serving = self._engine(learner, base) if not self.engine_spec.shareable else engine
+      copy = not self.engine_spec.copies_weights
+      if copy:
+        serving.update_weights(jax.tree.map(jnp.copy, learner.params), 0)
+      server = OnlineServer(cfg.traces.online, serving, self.tokenizer, self.stop_ids,
+                            cfg.traces.store)
+      self.log(f"online: serving the policy at {server.url}, weights swapped every step")
+      return TraceRollouts(cfg.traces, cfg.prompts_per_step, engine=serving, copy_weights=copy,
+                           server=server)
     if cfg.mode == "async":  # an engine that is not shareable gets a second instance
       pool_engine = engine if self.engine_spec.shareable else self._engine(learner, base)
       episode = self._episode(pool_engine)

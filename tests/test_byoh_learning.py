@@ -36,18 +36,19 @@ def _record_sessions(db):
         httpx.post(f"{url}/v1/sessions/task-{k}/feedback", json={"grade": (k % 3) / 2})
 
 
+RL = {"mode": "traces", "advantage": {"estimator": "running"}, "reference_kl": False,
+      "learner": {"loss": "grpo", "optimizer": {"learning_rate": 1e-3}},
+      "rollout": {"max_tokens": 4},
+      "batch": {"rows": 8, "seq_len": 64, "max_seqs": 8, "pack": False}}
+
+
 def _config(tmp_path, db, **over):
   d = {"workdir": str(tmp_path / "run"), "seed": 0,
        "model": {"tiny": {"chat_format": "hermes", **et.SMALL}},
        "tasks": {"generator_config": {"max_digits": 1, "ops": "+", "allow_negative": False},
                  "eval_fraction": 0.2, "eval_size": 4},
        "sft": {"steps": 0},
-       "rl": {"mode": "traces", "steps": 3, "prompts_per_step": 4,
-              "traces": {"store": {"path": str(db)}},
-              "advantage": {"estimator": "running"}, "reference_kl": False,
-              "learner": {"loss": "grpo", "optimizer": {"learning_rate": 1e-3}},
-              "rollout": {"max_tokens": 4},
-              "batch": {"rows": 8, "seq_len": 64, "max_seqs": 8, "pack": False}},
+       "rl": {**RL, "steps": 3, "prompts_per_step": 4, "traces": {"store": {"path": str(db)}}},
        "eval": {"every_steps": 0, "samples_per_prompt": 1, "max_tokens": 4, "greedy": False},
        "checkpoint": {"every_steps": 1}}
   d.update(over)
@@ -86,3 +87,65 @@ def test_traces_mode_trains_each_graded_session_once_and_resumes(tmp_path):
 def test_traces_mode_refuses_a_group_baseline():
   with pytest.raises(Exception, match="running"):
     run_config_from_dict({"rl": {"mode": "traces", "advantage": {"estimator": "grpo"}}})
+
+
+def test_online_mode_serves_trains_and_swaps_weights_without_a_failed_call(tmp_path):
+  """One run serves the policy (a proxy thread), trains on sessions as a harness grades them,
+  and installs each step's weights into the serving engine while the harness keeps calling:
+  every call succeeds, the versions it is served by rise with the steps, and each recorded
+  choice carries the version that answered."""
+  import threading
+  import time
+  db, port = tmp_path / "traces.db", bt.free_port()
+  cfg = _config(tmp_path, db, rl={**RL, "steps": 4, "prompts_per_step": 2,
+                                  "traces": {"store": {"path": str(db)}, "wait_s": 60.0,
+                                             "online": {"enabled": True, "port": port}}})
+  url = f"http://127.0.0.1:{port}"
+  seen, failures = [], []
+
+  def harness():
+    deadline, k = time.monotonic() + 240, 0
+    while time.monotonic() < deadline:
+      try:
+        httpx.get(url + "/health", timeout=1)
+        break
+      except httpx.HTTPError:
+        time.sleep(0.1)
+    while time.monotonic() < deadline:
+      body = {"model": "posttrain_jax", "max_tokens": 4, "seed": k,
+              "messages": [{"role": "user", "content": f"Compute {k % 9}+1."}]}
+      try:
+        r = httpx.post(url + "/v1/chat/completions", json=body,
+                       headers={"X-Session-Id": f"s{k}"}, timeout=60)
+        if r.status_code != 200:
+          failures.append((k, r.status_code, r.text))
+        else:
+          seen.append((r.json()["id"], int(r.headers["X-Policy-Version"]),
+                       r.json()["system_fingerprint"]))
+          if k < 8:
+            httpx.post(f"{url}/v1/sessions/s{k}/feedback", json={"grade": float(k % 2)})
+      except httpx.HTTPError as e:
+        failures.append((k, "error", repr(e)))
+      k += 1
+      if k >= 8 and seen and seen[-1][1] >= 2:
+        return
+      time.sleep(0.02)
+
+  t = threading.Thread(target=harness)
+  t.start()
+  result = Trainer(cfg, log=lambda *_: None).run()
+  t.join()
+  assert result is not None and failures == []
+  versions = [v for _, v, _ in seen]
+  assert versions == sorted(versions) and versions[0] == 0 and versions[-1] >= 2
+  assert all(fp == f"posttrain_jax-v{v}" for _, v, fp in seen)
+  store = TraceStore(StoreConfig(path=str(db)))
+  recorded = {c.id: c for c in store.calls("default")}
+  for call_id, v, _ in seen:
+    assert recorded[call_id].status == "complete"
+    assert [ch.version for ch in recorded[call_id].choices] == [v]
+  store.close()
+  rows = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
+          if "traces/sessions" in r}
+  assert [rows[s]["traces/sessions"] for s in sorted(rows)] == [2, 2, 2, 2]
+

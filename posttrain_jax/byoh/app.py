@@ -4,7 +4,9 @@ Every error a client can cause is a 4xx with an OpenAI-style body; an unknown ro
 the same shape; only our own failures (the engine) are 5xx. Streaming answers are server-sent
 events: a role chunk at once, then the content (a chunk per sampled token), the tool calls, a
 final chunk with the finish reasons, the usage chunk when `stream_options.include_usage`, and
-`data: [DONE]`. A stream the client leaves early records its call as incomplete.
+`data: [DONE]`. A stream the client leaves early records its call as incomplete. The policy
+version that answered is in `system_fingerprint` ("posttrain_jax-v<version>"; streams: the final
+chunk) and, for whole answers, the `X-Policy-Version` header.
 """
 from __future__ import annotations
 
@@ -100,6 +102,7 @@ def build_app(proxy: Proxy) -> FastAPI:
       raise
     choices = [proxy.choice(i, c, req, call_id, chat) for i, c in enumerate(comps)]
     resp = proxy.response(call_id, req, prompt, choices, chat)
+    headers["X-Policy-Version"] = str(max(c.version for c in choices))
     if await request.is_disconnected():
       proxy.end(status="incomplete", reason="client_disconnected", choices=choices, **end)
       return JSONResponse(resp, headers=headers)
@@ -188,7 +191,7 @@ async def _stream(proxy: Proxy, req: api.Request, prompt, end: dict, chat: bool)
     if chat:
       yield api.chunk(call_id, req.model, created, [
           {"index": c.index, "delta": {}, "finish_reason": c.finish_reason, "logprobs": None}
-          for c in choices])
+          for c in choices], version=max(c.version for c in choices))
     else:
       yield "data: " + json.dumps({"id": call_id, "object": "text_completion",
                                    "created": created, "model": req.model, "choices": [

@@ -187,14 +187,23 @@ def token_logprobs(tokens: list[str], logprobs: list[float]) -> dict[str, Any]:
                       for t, lp in zip(tokens, logprobs)], "refusal": None}
 
 
-def chat_response(call_id: str, model: str, choices: list[dict], usage: dict) -> dict:
+def fingerprint(version: int) -> str:
+  """`system_fingerprint`: which policy version sampled the answer."""
+  return f"posttrain_jax-v{version}"
+
+
+def chat_response(call_id: str, model: str, choices: list[dict], usage: dict,
+                  version: int) -> dict:
   return {"id": call_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-          "choices": choices, "usage": usage, "system_fingerprint": None}
+          "choices": choices, "usage": usage, "system_fingerprint": fingerprint(version)}
 
 
-def chunk(call_id: str, model: str, created: int, choices: list[dict], usage=None) -> str:
+def chunk(call_id: str, model: str, created: int, choices: list[dict], usage=None,
+          version: Optional[int] = None) -> str:
   body = {"id": call_id, "object": "chat.completion.chunk", "created": created, "model": model,
           "choices": choices}
+  if version is not None:
+    body["system_fingerprint"] = fingerprint(version)
   if usage is not None:
     body["usage"] = usage
   return f"data: {json.dumps(body)}\n\n"

@@ -46,6 +46,17 @@ from posttrain_jax.envs.tool_calls import parse_turn
 DEFAULT_TENANT = "default"
 
 
+def detect_tool_format(tokenizer) -> Optional[str]:
+  """The tool-call parser a chat template writes calls for: "hermes" (`<tool_call>`),
+  "llama3_json" (the `ipython` role / `<|python_tag|>`), or None (no tools)."""
+  template = getattr(tokenizer, "chat_template", None) or ""
+  if "<tool_call>" in template:
+    return "hermes"
+  if "<|python_tag|>" in template or "ipython" in template:
+    return "llama3_json"
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class ProxyConfig:
   """How the proxy serves and whom it lets in."""
@@ -230,10 +241,12 @@ class Proxy:
       else:
         out.append({"index": c.index, "text": c.text, "logprobs": lp,
                     "finish_reason": c.finish_reason})
+    version = max(c.version for c in choices)
     if chat:
-      return api.chat_response(call_id, req.model, out, usage)
+      return api.chat_response(call_id, req.model, out, usage, version)
     return {"id": call_id, "object": "text_completion", "created": int(time.time()),
-            "model": req.model, "choices": out, "usage": usage}
+            "model": req.model, "choices": out, "usage": usage,
+            "system_fingerprint": api.fingerprint(version)}
 
   def end(self, call_id, tenant, session, status, t0, choices=(), response=None, reason=None,
           kind="chat", messages=None, tools=None, prompt: Optional[Prompt] = None) -> None:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from posttrain_jax.byoh.online import OnlineConfig
 from posttrain_jax.byoh.rebuild import rebuild_session, session_grade
 from posttrain_jax.byoh.store import StoreConfig, TraceStore
 from posttrain_jax.envs.task import Task
@@ -38,6 +39,7 @@ class TraceSourceConfig:
   settle_s: float = 0.0                 # a session is ready once its last call is this old
   wait_s: float = 0.0                   # a step with no ready session waits this long for one
   poll_s: float = 0.25                  # how often it looks while waiting
+  online: OnlineConfig = OnlineConfig()  # serve the run's policy while training (online.py)
 
   def __post_init__(self):
     for name in ("settle_s", "wait_s", "poll_s"):
@@ -52,8 +54,11 @@ class TraceRollouts:
 
   def __init__(self, cfg: TraceSourceConfig, sessions_per_step: int, engine=None,
                store: Optional[TraceStore] = None, clock: Callable[[], float] = time.time,
-               sleep: Callable[[float], None] = time.sleep):
+               sleep: Callable[[float], None] = time.sleep, copy_weights: bool = False,
+               server=None):
     self.cfg, self.per_step, self.engine = cfg, sessions_per_step, engine
+    self.copy_weights = copy_weights   # the engine serves while the learner donates buffers
+    self.server = server               # online: the OnlineServer serving `engine`
     self.store = store or TraceStore(cfg.store)
     self._clock, self._sleep = clock, sleep
     self.version = 0
@@ -64,6 +69,10 @@ class TraceRollouts:
   def update_weights(self, params, version: int) -> None:
     self.version = version
     if self.engine is not None:
+      if self.copy_weights:
+        import jax
+        import jax.numpy as jnp
+        params = jax.tree.map(jnp.copy, params)
       self.engine.update_weights(params, version)
 
   def _ready(self) -> list[tuple[float, str, str]]:
@@ -131,4 +140,6 @@ class TraceRollouts:
     self._totals = collections.Counter(state["totals"])
 
   def close(self) -> None:
-    pass
+    if self.server is not None:
+      self.server.close()
+      self.server = None
