@@ -295,3 +295,33 @@ def test_kill_9_mid_stream_keeps_every_completed_call_and_marks_the_cut_one(tmp_
   finally:
     proc.kill()
     proc.wait()
+
+
+def test_a_batch_grader_job_scores_stored_sessions_once(tmp_path):
+  """The harness puts the expected answer in the request metadata; launch/grade_traces.py grades
+  the final answers with the numeric grader; a second run stores nothing twice; a session with
+  no reference is counted ungradable, not scored 0."""
+  import subprocess
+  import sys
+  import pathlib
+  engine = _scripted(["The answer is 42.", "It is 41.", "Hmm."])
+  db = tmp_path / "t.db"
+  with bt.running(engine, db) as (url, proxy):
+    for k, meta in enumerate([{"reference": "42"}, {"reference": "42"}, None]):
+      _client(url, f"job-{k}").chat.completions.create(
+          model=MODEL, messages=[{"role": "user", "content": "What is 6*7?"}], max_tokens=16,
+          **({"metadata": meta} if meta else {}))
+  script = pathlib.Path(__file__).resolve().parent.parent / "launch" / "grade_traces.py"
+  runs = [subprocess.run([sys.executable, str(script), f"--store={db}"], capture_output=True,
+                         text=True, timeout=120) for _ in range(2)]
+  assert runs[0].stdout.strip().splitlines()[-1] == "RESULT graded=2 ungradable=1 skipped=0"
+  assert runs[1].stdout.strip().splitlines()[-1] == "RESULT graded=0 ungradable=1 skipped=2"
+  from posttrain_jax.byoh.store import StoreConfig, TraceStore
+  store = TraceStore(StoreConfig(path=str(db)))
+  grades = {f.session: f.grade for f in store.feedback("default")}
+  assert grades == {"job-0": 1.0, "job-1": 0.0}
+  assert {f.source for f in store.feedback("default")} == {"grader:reference"}
+  store.close()
+  bad = subprocess.run([sys.executable, str(script), f"--store={tmp_path / 'none.db'}"],
+                       capture_output=True, text=True, timeout=120)
+  assert bad.returncode == 1 and "no such file" in bad.stderr

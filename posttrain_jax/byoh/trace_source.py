@@ -60,6 +60,7 @@ class TraceRollouts:
     self.copy_weights = copy_weights   # the engine serves while the learner donates buffers
     self.server = server               # online: the OnlineServer serving `engine`
     self.store = store or TraceStore(cfg.store)
+    self.closed_at: Optional[float] = None
     self._clock, self._sleep = clock, sleep
     self.version = 0
     self._taken: set[tuple[str, str]] = set()
@@ -143,3 +144,4 @@ class TraceRollouts:
     if self.server is not None:
       self.server.close()
       self.server = None
+      self.closed_at = time.time()   # when online serving stopped (benchmarks read it)
