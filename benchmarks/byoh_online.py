@@ -97,8 +97,11 @@ class Harness:
     text = body["choices"][0]["message"]["content"] or ""
     reward = float(self.grader(text, task).reward)
     rec.update(version=int(r.headers["X-Policy-Version"]), reward=reward)
-    fb = client.post(f"{self.url}/v1/sessions/{session}/feedback", json={"grade": reward})
-    rec["graded"] = fb.status_code == 200
+    try:
+      fb = client.post(f"{self.url}/v1/sessions/{session}/feedback", json={"grade": reward})
+      rec["graded"] = fb.status_code == 200
+    except httpx.HTTPError as e:   # the grade is lost, not the call: counted apart
+      rec.update(graded=False, error=repr(e))
     self.calls.append(rec)
 
   def run(self) -> None:
@@ -174,13 +177,15 @@ def main():
   hb, ha = result["heldout_before"], result["heldout_after"]
   print(f"held-out accuracy of the served weights: {hb:.3f} -> {ha:.3f}")
   print(f"harness success, first / last quarter of versions: {first:.3f} -> {last:.3f}")
-  print(f"calls while serving: {len(during)}, failed: {len(failed)}, after shutdown: {after}; "
+  ungraded = sum(1 for c in during if c["ok"] and not c.get("graded"))
+  print(f"calls while serving: {len(during)}, failed: {len(failed)}, after shutdown: {after}, "
+        f"grades not stored: {ungraded}; "
         f"latency p50 {np.percentile(lat, 50):.1f} ms, p99 {np.percentile(lat, 99):.1f} ms")
   print(f"swaps: {len(rows)}; trained staleness p50 (median over steps): "
         f"{float(np.median(stale)) if stale else float('nan'):.1f} versions; {minutes:.1f} min")
   summary = {"args": {k: str(v) for k, v in vars(args).items()}, "result": result,
              "calls": len(during), "failed": len(failed), "failures": failed[:10],
-             "after_shutdown": after, "swaps": len(rows),
+             "after_shutdown": after, "ungraded": ungraded, "swaps": len(rows),
              "success_by_version": {v: float(np.mean(by_version[v])) for v in versions},
              "success_first": first, "success_last": last,
              "latency_ms": {"p50": float(np.percentile(lat, 50)),

@@ -6,7 +6,8 @@ Side by side in one run, on the same tiny model and the same embedded sampler:
   proxy    the same chat through `launch/serve.py` (its own process, recording on, SQLite
            `--synchronous`) with an HTTP client, the same seed, so both decode the same tokens
 Calls alternate direct / proxy so machine noise hits both; the added latency is each pair's
-difference, reported at p50 / p99. Then `--concurrency` client threads call the proxy at once
+difference, reported at p50 / p99, beside the cost of a bare HTTP round trip to the same server
+(GET /health), the part any server in front of an engine costs. Then `--concurrency` client threads call the proxy at once
 (each its own session) for sustained calls/s. Ends with
 `RESULT p50_overhead_ms=… p99_overhead_ms=… calls_per_s=…`.
 """
@@ -92,8 +93,13 @@ def main():
       r.raise_for_status()
       tokens.append((len(out[0][0].token_ids), r.json()["usage"]["completion_tokens"]))
     same_tokens = float(np.mean([a == b for a, b in tokens]))
+    floor = []  # an HTTP round trip to the same server doing no work: the client's + server's
+    for i in range(args.calls):  # share of the added latency, which any server would cost
+      t0 = time.perf_counter()
+      client.get(url.replace("/v1/chat/completions", "/health")).raise_for_status()
+      floor.append(time.perf_counter() - t0)
     d, q = np.array(direct) * 1e3, np.array(proxied) * 1e3
-    over = q - d
+    over, floor_ms = q - d, np.array(floor) * 1e3
 
     def burst(k):
       with httpx.Client(timeout=120) as c:
@@ -113,7 +119,9 @@ def main():
 
   rows = [("direct engine.generate", np.percentile(d, 50), np.percentile(d, 99)),
           ("through the proxy (HTTP + recording)", np.percentile(q, 50), np.percentile(q, 99)),
-          ("added per call (pairwise)", np.percentile(over, 50), np.percentile(over, 99))]
+          ("added per call (pairwise)", np.percentile(over, 50), np.percentile(over, 99)),
+          ("  of it an HTTP round trip (GET /health)", np.percentile(floor_ms, 50),
+           np.percentile(floor_ms, 99))]
   print(f"{'':40s} {'p50 ms':>8s} {'p99 ms':>8s}")
   for name, a, b in rows:
     print(f"{name:40s} {a:8.2f} {b:8.2f}")
@@ -124,6 +132,7 @@ def main():
   summary = {"args": vars(args), "direct_ms": {"p50": rows[0][1], "p99": rows[0][2]},
              "proxy_ms": {"p50": rows[1][1], "p99": rows[1][2]},
              "overhead_ms": {"p50": rows[2][1], "p99": rows[2][2]},
+             "http_round_trip_ms": {"p50": rows[3][1], "p99": rows[3][2]},
              "calls_per_s": calls_per_s, "same_tokens": same_tokens}
   pathlib.Path(args.out).write_text(json.dumps(summary, indent=1))
   print(f"RESULT p50_overhead_ms={rows[2][1]:.2f} p99_overhead_ms={rows[2][2]:.2f} "
