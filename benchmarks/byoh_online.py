@@ -11,7 +11,8 @@ One process, two sides, on the default run's model (configs/default.py: the tiny
             into the serving engine while the harness keeps calling
 Reported: held-out accuracy of the served weights before and after (the trainer's eval on tasks
 the harness never sees), the harness's own success per policy version, calls made / failed
-(a failure is any non-200 or connection error while the proxy was serving), swaps, the staleness
+(a failure is any non-200 or connection error before the proxy began to stop; calls refused
+once it was stopping are counted apart), swaps, the staleness
 of what was trained. Ends with
 `RESULT heldout_before=… heldout_after=… calls=… failed=… swaps=… success_first=… success_last=…`.
 """

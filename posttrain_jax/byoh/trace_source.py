@@ -142,6 +142,6 @@ class TraceRollouts:
 
   def close(self) -> None:
     if self.server is not None:
+      self.closed_at = time.time()   # when online serving began to stop (benchmarks read it)
       self.server.close()
       self.server = None
-      self.closed_at = time.time()   # when online serving stopped (benchmarks read it)
