@@ -84,6 +84,20 @@ def test_traces_mode_trains_each_graded_session_once_and_resumes(tmp_path):
   assert s1["reward/mean"] == pytest.approx((0 + 0.5 + 1.0 + 0) / 4)
 
 
+def test_sessions_older_than_max_staleness_are_counted_not_trained(tmp_path):
+  db = tmp_path / "traces.db"
+  _record_sessions(db)   # all sampled at version 0
+  rl = {**RL, "steps": 2, "prompts_per_step": 4,
+        "traces": {"store": {"path": str(db)}, "max_staleness": 0}}
+  assert Trainer(_config(tmp_path, db, rl=rl), log=lambda *_: None).run() is not None
+  rows = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
+          if "traces/sessions" in r or "traces/dropped_stale" in r}
+  assert rows[1]["traces/sessions"] == 4 and rows[1]["filter/stale_session_frac"] == 0.0
+  # at version 1 the two left are one version old: taken, counted, not trained
+  assert rows[2]["traces/dropped_stale"] == 2 and rows[2]["filter/stale_session_frac"] == 1.0
+  assert rows[2]["skipped_update"] == 1.0
+
+
 def test_traces_mode_refuses_a_group_baseline():
   with pytest.raises(Exception, match="running"):
     run_config_from_dict({"rl": {"mode": "traces", "advantage": {"estimator": "grpo"}}})

@@ -11,9 +11,13 @@ the recorded behaviour log-probs, which may be many versions old. How old is rep
 sampled the token).
 
 A session is taken once its grade exists and its last call is `settle_s` old (online, a running
-session may still grow). When none is ready a step waits up to `wait_s` (online mode) and then
-trains on nothing: rl_step leaves the weights untouched on an empty batch. The sessions taken
-are part of the checkpoint (`state()`), so a resumed run never trains on a session twice.
+session may still grow). A step waits up to `wait_s` for `prompts_per_step` ready sessions and
+then trains on those there are; with none, it trains on nothing (rl_step leaves the weights
+untouched on an empty batch). With `max_staleness` ≥ 0, a session whose oldest sampled token is
+more than that many versions old is taken but not trained, and the share of such sessions is
+logged per step as `filter/stale_session_frac` (the audit watches every filter's share). The
+sessions taken are part of the checkpoint (`state()`), so a resumed run never trains on a
+session twice.
 """
 from __future__ import annotations
 
@@ -37,8 +41,12 @@ class TraceSourceConfig:
   store: StoreConfig = StoreConfig()    # the trace store the proxy records into
   tenant: Optional[str] = None          # one tenant's sessions; None = every tenant's
   settle_s: float = 0.0                 # a session is ready once its last call is this old
-  wait_s: float = 0.0                   # a step with no ready session waits this long for one
+  wait_s: float = 0.0                   # a step waits up to this long for prompts_per_step
+                                        # ready sessions, then trains on those there are
   poll_s: float = 0.25                  # how often it looks while waiting
+  max_staleness: int = -1               # a session sampled more than this many versions ago is
+                                        # taken but not trained (counted: filter/stale_session_frac);
+                                        # -1 = train on every session however old
   online: OnlineConfig = OnlineConfig()  # serve the run's policy while training (online.py)
 
   def __post_init__(self):
@@ -96,14 +104,23 @@ class TraceRollouts:
   def collect(self, step: int) -> tuple[list[Task], list[Trajectory]]:
     ready = self._ready()
     deadline = self._clock() + self.cfg.wait_s
-    while not ready and self._clock() < deadline:
+    while len(ready) < self.per_step and self._clock() < deadline:
       self._sleep(self.cfg.poll_s)
       ready = self._ready()
     tasks, trajs, counts = [], [], collections.Counter()
-    for _, tenant, session in ready[:self.per_step]:
+    used = 0
+    for _, tenant, session in ready:
+      if used == self.per_step:
+        break
       self._taken.add((tenant, session))
       feedback = self.store.feedback(tenant, session)
       samples, stats = rebuild_session(session, self.store.calls(tenant, session), feedback)
+      oldest = max((self.version - v for t in samples
+                    for v, m in zip(t.policy_version, t.loss_mask) if m), default=0)
+      if 0 <= self.cfg.max_staleness < oldest:
+        counts["dropped_stale"] += 1
+        continue
+      used += 1
       counts.update(stats)
       counts["sessions"] += 1
       if not samples:
@@ -115,8 +132,10 @@ class TraceRollouts:
     stale = [self.version - v for t in trajs for v, m in zip(t.policy_version, t.loss_mask) if m]
     self._totals.update(counts)
     self._metrics = {f"traces/{k}": float(v) for k, v in counts.items()}
+    seen = counts["sessions"] + counts["dropped_stale"]
     self._metrics.update({
-        "traces/backlog": float(max(len(ready) - self.per_step, 0)),
+        "filter/stale_session_frac": counts["dropped_stale"] / seen if seen else 0.0,
+        "traces/backlog": float(max(len(ready) - seen, 0)),
         "traces/total/sessions": float(self._totals["sessions"]),
         "traces/staleness/mean": float(np.mean(stale)) if stale else float("nan"),
         "traces/staleness/p50": float(np.median(stale)) if stale else float("nan"),
