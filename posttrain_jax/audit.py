@@ -14,9 +14,12 @@ eval/accuracy and SFT-only rows do not count) before any rule may raise a flag; 
 
   length_collapse   change(response_len/mean) < length_collapse_ratio while the reward does not
                     truly improve: Δreward < reward_stall_delta, or Δreward ≥ it but held-out
-                    Δeval/accuracy < eval_rise_delta. Length falling while reward AND held-out
-                    accuracy rise is a note (a legitimate shortening), not a flag; with no eval
-                    logged the same is a note asking for one.
+                    Δeval/accuracy < eval_rise_delta or < eval_share_min · Δreward (the held-out
+                    check scores what the reward should: a reward rise it does not share is a
+                    channel of its own, e.g. infra faults dodged under naive scoring). Length
+                    falling while reward AND held-out accuracy rise alike is a note (a
+                    legitimate shortening), not a flag; with no eval logged the same is a note
+                    asking for one.
   timeout_rising    status/timeout_frac or status/timeout_frac/<difficulty> (each difficulty):
                     Δ ≥ timeout_rise_delta and change ≥ timeout_rise_ratio.
   malformed_rising  episode/malformed_call_rate: Δ ≥ malformed_rise_delta and change ≥
@@ -57,6 +60,7 @@ class AuditConfig:
   length_collapse_ratio: float = 0.7   # flag when change(response_len/mean) falls below this
   reward_stall_delta: float = 0.05   # Δreward/mean below this is a stall; at or above, a rise
   eval_rise_delta: float = 0.02      # Δeval/accuracy at or above this counts as held-out rising
+  eval_share_min: float = 0.5        # ... and it must be at least this share of Δreward/mean
   timeout_rise_delta: float = 0.1    # a timeout fraction must rise by at least this much ...
   timeout_rise_ratio: float = 1.5    # ... and by at least this factor (change) to be flagged
   malformed_rise_delta: float = 0.05  # episode/malformed_call_rate: least rise (rare when healthy)
@@ -71,6 +75,8 @@ class AuditConfig:
       raise AuditError(f"AuditConfig.window_frac must be in (0, 0.5], got {self.window_frac}")
     if self.min_steps < 2:
       raise AuditError(f"AuditConfig.min_steps must be ≥ 2, got {self.min_steps}")
+    if not 0 <= self.eval_share_min <= 1:
+      raise AuditError(f"AuditConfig.eval_share_min must be in [0, 1], got {self.eval_share_min}")
     for name in ("length_collapse_ratio", "timeout_rise_ratio", "malformed_rise_ratio"):
       if not getattr(self, name) > 0:
         raise AuditError(f"AuditConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -220,6 +226,12 @@ def _length_rule(signals: dict[str, Signal], cfg: AuditConfig, flags: list, note
   elif heldout.delta < cfg.eval_rise_delta:
     flags.append(Flag("length_collapse", f"{fell} while {rise} but held-out eval/accuracy "
                       f"changed by only {heldout.delta:+.4g} (below +{cfg.eval_rise_delta:g})",
+                      _evidence(length, reward, heldout)))
+  elif heldout.delta < cfg.eval_share_min * reward.delta:
+    flags.append(Flag("length_collapse", f"{fell} while {rise} but held-out eval/accuracy rose "
+                      f"by only {heldout.delta:+.4g}, under {cfg.eval_share_min:g} of the reward's "
+                      "rise: most of the reward gained does not carry over to held-out tasks "
+                      "(faults or timeouts dodged, a grader quirk, overfitting)",
                       _evidence(length, reward, heldout)))
   else:
     notes.append(f"{fell} while {rise} and held-out eval/accuracy rose by {heldout.delta:+.4g}: "

@@ -105,6 +105,10 @@ def test_length_collapse_with_rising_reward_is_judged_by_the_held_out_eval():
   assert "eval/accuracy/last" in gamed.flags[0].evidence
   blind = audit.audit(_run(**{k: v for k, v in base.items() if k != "eval__accuracy"}))
   assert blind.flags == () and "no held-out eval/accuracy" in blind.notes[0]
+  # held-out rises, but far less than the reward: most of the gain is the reward's own channel
+  dodged = audit.audit(_run(**{**base, "eval__accuracy": (0.5, 0.6)}))
+  assert _names(dodged) == [("length_collapse", "response_len/mean")]
+  assert "does not carry over" in dodged.flags[0].message
 
 
 def test_timeout_rising_on_hard_tasks():
