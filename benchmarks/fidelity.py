@@ -51,22 +51,21 @@ Measured on the 2-core dev box, 2026-12-01, --base = configs/tool_math.py's 700-
     proportion to how often it is sampled, so the rare think gains at first under "score" too
     (to 0.30 at step 17); from there "score" drives it to 0.02 and "drop" holds it near 0.5.
     Under "drop" the reward the trainer sees is the higher one (timeouts are not in it).
-  infra (32 GRPO steps at lr 6e-5; response_len/mean, first → last quarter):
-    naive    112.1 → 77.4 tokens (×0.690), tool calls/episode 4.08 → 2.24; not flagged: the
-             audit's held-out check saw success rise 0.70 → 0.87 and read the shortening as
-             legitimate
-    default  shortens too: 124.7 → 82.2 tokens (×0.659) over its first 16 steps (the run was
-             stopped there for time), flagged malformed_rising (0.20 → 0.37 of calls). So case
-             1 is NOT reproduced yet: the SFT model's calls were
-             malformed a quarter of the time (episode/malformed_call_rate 0.25 → 0.13 over the
-             naive run), mostly the long path's check calls, so the long path was less correct
-             than designed and lost under either scoring; GRPO's fixing the calls also raised
-             held-out success, which is why the audit read the naive shortening as legitimate.
-             Counting was not the cause: with check() printing "(run k of 5)" the first GRPO
-             step still broke 23% of calls and 25% of episodes timed out (stray </tool_call>
-             tags, "checit": token noise at temperature 1.0 over six calls). At rollout
-             temperature 0.7 the same SFT model broke 0% and timed out 0% (2 steps, 64
-             episodes each), so the case now samples at 0.7 (eval too). Both runs: pending.
+  infra (32 GRPO steps at lr 6e-5, rollouts and eval at temperature 0.7; response_len/mean,
+  first → last quarter):
+    naive    102.8 → 67.1 tokens (×0.652), tool calls/episode 4.41 → 2.0, reward 0.70 → 0.89;
+             flagged length_collapse: held-out success rose only 0.960 → 0.987 (+0.028),
+             under half of the reward's +0.193 (the reward's gain is faults dodged)
+    default  139.8 → 133.2 tokens (×0.953), reward 0.957 → 0.962, no flag
+    Getting here: with check() silent about its count the SFT model miscounted its identical
+    calls; with the count but at temperature 1.0 it still broke 23% of its calls (stray
+    </tool_call>, "checit") and 25% of episodes timed out, so the long path lost under either
+    scoring (naive ×0.690 / default ×0.659 in an earlier pair). At 0.7: 0% broken, 0% timed out
+    in the first steps. The audit's eval_share_min rule was added while the naive run was in
+    progress (the old rule read its +0.028 held-out rise as a legitimate shortening).
+    Open: the default run's in-run held-out eval read 0.25-0.34 from step 208 on, while the
+    same evaluation of its final model, run afterwards, gives 0.93 (78 of 84 episodes without a
+    fault); not explained yet.
 How the design got here (each failed run taught one constraint):
   A/B  1-digit arithmetic from scratch (2- and 4-layer models): the tiny model never learned
        to copy operands into a call, so the tool path was no more accurate than guessing, and
