@@ -27,8 +27,10 @@ def running(engine, db_path, cfg: ProxyConfig = ProxyConfig(), chat_format: str 
   store = TraceStore(StoreConfig(path=str(db_path), synchronous="NORMAL"))
   proxy = Proxy(cfg, engine, tok, store, et.stop_ids(tok, chat_format), "hermes")
   port = free_port()
+  # the stdlib event loop: uvloop's C-level state stays out of the pytest process, whose main
+  # thread runs asyncio (and SIGINT) tests of its own
   server = uvicorn.Server(uvicorn.Config(build_app(proxy), host="127.0.0.1", port=port,
-                                         log_level="warning"))
+                                         log_level="warning", loop="asyncio"))
   thread = threading.Thread(target=server.run, daemon=True)
   thread.start()
   deadline = time.monotonic() + 30

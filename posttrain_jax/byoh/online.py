@@ -38,9 +38,11 @@ class OnlineServer:
     self.proxy = Proxy(cfg.proxy, engine, tokenizer, self.store, tuple(stop_token_ids),
                        detect_tool_format(tokenizer))
     self.url = f"http://{cfg.host}:{cfg.port}/v1"
+    # the stdlib event loop in the proxy's thread (no uvloop in the training process); uvicorn
+    # leaves the signals alone outside the main thread, so the trainer keeps owning them
     self._server = uvicorn.Server(uvicorn.Config(build_app(self.proxy), host=cfg.host,
-                                                 port=cfg.port, log_level="warning"))
-    self._server.install_signal_handlers = lambda: None   # the trainer owns the signals
+                                                 port=cfg.port, log_level="warning",
+                                                 loop="asyncio"))
     self._thread = threading.Thread(target=self._server.run, name="online-proxy", daemon=True)
     self._thread.start()
     deadline = time.monotonic() + 60
