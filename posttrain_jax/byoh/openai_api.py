@@ -75,9 +75,8 @@ def parse_request(body: Any, *, chat: bool, models: tuple[str, ...], max_tokens_
   for key, noop in _NOOP.items():
     v = body.get(key)
     if v is not None and v != noop and not (key == "response_format" and v == {"type": "text"}):
-      if not (key == "top_logprobs" and v == 0):
-        raise ApiError(400, f"{key}={v!r} is not supported by this server (the engines sample "
-                       f"plain log-probs only)", key, "unsupported_parameter")
+      raise ApiError(400, f"{key}={v!r} is not supported by this server (the engines sample "
+                     f"plain log-probs only)", key, "unsupported_parameter")
   known = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
            "top_p", "n", "seed", "stop", "stream", "logprobs", "tools", "tool_choice", "top_k",
            *_IGNORED, *_NOOP}
