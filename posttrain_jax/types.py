@@ -159,6 +159,7 @@ class TrainBatch:
   old_logp: Optional[jax.Array] = None         # [B, T] log pi_old(y_t), recomputed by the learner
   ref_logp: Optional[jax.Array] = None         # [B, T] log pi_ref(y_t), frozen reference
   teacher_logp: Optional[jax.Array] = None     # [B, T] log T(y_t), a teacher's score
+  teacher_mask: Optional[jax.Array] = None     # [B, T] 1 where a teacher scored the token
 
   @property
   def num_seqs(self) -> int:

@@ -34,6 +34,11 @@ class Seq:
   ref: np.ndarray         # [L] log π_ref
   teacher: np.ndarray     # [L] log T
   adv: float              # the sequence's advantage, broadcast to its tokens
+  teacher_mask: Optional[np.ndarray] = None   # [L] 1 where a teacher scored; None = all ones
+
+  def __post_init__(self):
+    if self.teacher_mask is None:
+      self.teacher_mask = np.ones(len(self.mask))
 
   def __len__(self):
     return len(self.mask)
@@ -88,7 +93,8 @@ def layout(seqs: Sequence[Seq], rows: list[list[int]], row_len: Optional[int] = 
   """Places `seqs` in rows; seq_ids are indices into `seqs`; padding is all zeros.
 
   `extra_seq_slots` adds absent sequences (seq_valid 0) to test a static S larger than needed;
-  `num_rows` pads with empty rows. Fields not in `fields` are None in the batch.
+  `num_rows` pads with empty rows. Fields not in `fields` are None in the batch; "teacher_mask"
+  (Seq.teacher_mask, 0 on padding) is one of them, not in the default.
   """
   # Fixed default shapes let tests share compiled computations (the suite must stay fast).
   row_len = row_len or max(FLAT_LEN, max(sum(len(seqs[i]) for i in r) for r in rows))
@@ -96,7 +102,7 @@ def layout(seqs: Sequence[Seq], rows: list[list[int]], row_len: Optional[int] = 
   assert b >= len(rows)
   arr = lambda: np.zeros((b, row_len), dtype)
   ints = lambda: np.zeros((b, row_len), np.int32)
-  mask, adv, old, beh, ref, teacher = arr(), arr(), arr(), arr(), arr(), arr()
+  mask, adv, old, beh, ref, teacher, tmask = arr(), arr(), arr(), arr(), arr(), arr(), arr()
   pos, seg, sid, tok = ints(), ints(), ints(), ints()
   where = [None] * len(seqs)
   for r, idx in enumerate(rows):
@@ -106,13 +112,16 @@ def layout(seqs: Sequence[Seq], rows: list[list[int]], row_len: Optional[int] = 
       assert start + len(s) <= row_len, "row too short"
       mask[r, sl], adv[r, sl] = s.mask, s.adv
       old[r, sl], beh[r, sl], ref[r, sl], teacher[r, sl] = s.old, s.beh, s.ref, s.teacher
+      tmask[r, sl] = s.teacher_mask
       pos[r, sl], seg[r, sl], sid[r, sl] = np.arange(len(s)), k + 1, i
       tok[r, sl] = np.arange(len(s)) % 7 + 1
       where[i] = (r, start)
       start += len(s)
   seq_valid = np.r_[np.ones(len(seqs)), np.zeros(extra_seq_slots)]
-  opt = {"old_logp": old, "behaviour_logp": beh, "ref_logp": ref, "teacher_logp": teacher}
-  names = {"old": "old_logp", "beh": "behaviour_logp", "ref": "ref_logp", "teacher": "teacher_logp"}
+  opt = {"old_logp": old, "behaviour_logp": beh, "ref_logp": ref, "teacher_logp": teacher,
+         "teacher_mask": tmask}
+  names = {"old": "old_logp", "beh": "behaviour_logp", "ref": "ref_logp", "teacher": "teacher_logp",
+           "teacher_mask": "teacher_mask"}
   chosen = {names[f] for f in fields}
   batch = np_batch(input_ids=tok, target_ids=tok, loss_mask=mask, positions=pos, segment_ids=seg,
                    seq_ids=sid, seq_valid=seq_valid, advantages=adv,
@@ -428,6 +437,27 @@ def ref_m2po(seqs, *, tau=0.04, ratio_base="behaviour", aggregation="token_mean"
   return loss, grads
 
 
+def ref_distill(seqs, *, coef=1.0, rl_coef=0.0, is_clip=2.0, aggregation="token_mean",
+                max_len=None):
+  """sampled_distill: ℓ_t = −ρ_t·A_t·logp_t with A_t = coef·m_t·(T_t − logp_t) + rl_coef·Â and
+  ρ_t = min(exp(logp_t − beh_t), c) (1 without c), ρ and A constants; (loss, grads)."""
+  weights = ref_agg_weights(seqs, aggregation, max_len)
+  loss, grads = 0.0, []
+  for wi, s in zip(weights, seqs):
+    g = np.zeros(len(s))
+    for t in range(len(s)):
+      if not s.mask[t]:
+        continue
+      lp = s.logp[t]
+      delta = (s.teacher[t] - lp) if s.teacher_mask[t] else 0.0
+      a = coef * delta + rl_coef * s.adv
+      rho = 1.0 if is_clip is None else min(np.exp(lp - s.beh[t]), is_clip)
+      loss += wi[t] * -rho * a * lp
+      g[t] = wi[t] * -rho * a
+    grads.append(g)
+  return loss, grads
+
+
 def ref_loss(name, cfg, seqs):
   """The float64 reference of any separable registered loss under its library config.
 
@@ -455,6 +485,8 @@ def ref_loss(name, cfg, seqs):
         if k not in ("correction", "correction_cfg")}
   if name == "m2po":
     return ref_m2po(seqs, **kw)
+  if name == "sampled_distill":
+    return ref_distill(seqs, **kw)
   if name in ("grpo", "cispo"):
     corr = None
     if cfg.correction != "none":

@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 
 from tests.loss_testing import layout, loss_value_and_grad, one_per_row, random_seqs, to_bt
-from posttrain_jax.losses import (LOSSES, CISPOConfig, GRPOConfig, GSPOConfig, KLConfig,
-                                  LossSpec, M2POConfig, M2POMaskConfig, SFTConfig, get_loss,
-                                  register_loss)
+from posttrain_jax.losses import (LOSSES, CISPOConfig, DistillConfig, GRPOConfig, GSPOConfig,
+                                  KLConfig, LossSpec, M2POConfig, M2POMaskConfig, SFTConfig,
+                                  get_loss, register_loss)
 from posttrain_jax.losses.base import OPTIONAL_FIELDS
 
-OLD, BEH, REF, TEA = "old_logp", "behaviour_logp", "ref_logp", "teacher_logp"
-SHORT = {OLD: "old", BEH: "beh", REF: "ref", TEA: "teacher"}   # loss_testing.layout's names
+OLD, BEH, REF, TEA, TMASK = "old_logp", "behaviour_logp", "ref_logp", "teacher_logp", "teacher_mask"
+SHORT = {OLD: "old", BEH: "beh", REF: "ref", TEA: "teacher",
+         TMASK: "teacher_mask"}   # loss_testing.layout's names
 
 # (loss, config, the fields it needs), written out by hand from each loss's formula.
 CASES = [
@@ -36,12 +37,16 @@ CASES = [
     ("gspo", GSPOConfig(eps_low=0.05, eps_high=0.05, kl_coef=0.1), {REF}),
     ("m2po", M2POConfig(tau=0.1), {OLD, BEH}),
     ("m2po", M2POConfig(tau=0.1, ratio_base="old", kl_coef=0.1), {OLD, BEH, REF}),
+    ("sampled_distill", DistillConfig(), {TEA, TMASK, BEH}),          # ρ = min(π_θ/μ, 2)
+    ("sampled_distill", DistillConfig(is_clip=None), {TEA, TMASK}),   # no importance weight
+    ("sampled_distill", DistillConfig(rl_coef=0.5, is_clip=1.5,
+                                      aggregation="seq_mean_token_mean"), {TEA, TMASK, BEH}),
 ]
 
 
 def test_every_registered_loss_has_cases():
   assert {name for name, _, _ in CASES} == set(LOSSES.names())
-  assert OPTIONAL_FIELDS == {OLD, BEH, REF, TEA}
+  assert OPTIONAL_FIELDS == {OLD, BEH, REF, TEA, TMASK}
 
 
 def _run(name, cfg, seqs, needed):

@@ -10,6 +10,7 @@ from posttrain_jax.registry import import_submodules
 
 import_submodules(__name__)   # registers every loss, correction, aggregation
 from posttrain_jax.losses.aggregation import AGGREGATIONS
+from posttrain_jax.losses.distill import DistillConfig
 from posttrain_jax.losses.grpo import CISPOConfig, GRPOConfig, GSPOConfig, M2POConfig, PGTerms
 from posttrain_jax.losses.kl import KL_ESTIMATORS, KLConfig, kl_estimate
 from posttrain_jax.losses.off_policy import (
@@ -19,6 +20,7 @@ from posttrain_jax.losses.sft import SFTConfig
 
 __all__ = [
     "AGGREGATIONS", "CORRECTIONS", "CISPOConfig", "CorrectionTerms", "DecoupledConfig",
+    "DistillConfig",
     "GRPOConfig", "GSPOConfig", "GeoMaskConfig", "IcePopConfig", "KLConfig", "KL_ESTIMATORS",
     "LOSSES", "LossSpec", "M2POConfig", "M2POMaskConfig", "MISConfig", "NoCorrection", "PGTerms",
     "SFTConfig", "SeqTISConfig", "TISConfig", "get_loss", "kl_estimate", "register_loss",

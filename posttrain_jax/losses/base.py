@@ -21,7 +21,7 @@ weights, masks) as `[B, T]` arrays; `token_loss` is elementwise and works on any
 fused LM-head kernel uses this form to compute gradients during its forward pass.
 
 Inputs. Every loss declares which optional TrainBatch fields (`behaviour_logp`, `old_logp`,
-`ref_logp`, `teacher_logp`) it needs for a given config: `register_loss(..., inputs=...)`
+`ref_logp`, `teacher_logp`, `teacher_mask`) it needs for a given config: `register_loss(..., inputs=...)`
 takes a static tuple of field names or a function `cfg -> iterable of names`, and
 `spec.needs(cfg)` returns them as a frozenset. The learner loop computes exactly those
 fields (a reference forward pass for `ref_logp`, the pre-update forward pass for `old_logp`).
