@@ -6,8 +6,10 @@
     batch = pack(kept trajectories, adv)
     fill exactly the log-prob fields the loss declares it needs (LossSpec.needs), plus
         old_logp when update_epochs > 1 (the PPO ratio's denominator across epochs) and
-        ref_logp when a reference is given only to report a KL
+        ref_logp when a reference is given only to report a KL; teacher_logp / teacher_mask
+        from the teacher (teacher.py: the model scoring the sampled tokens under its context)
     update_epochs × learner.step(batch)           skipped when no trajectory survived
+    teacher.after_update(learner)                 an EMA teacher follows the new weights
 
 A step whose every rollout failed (nothing kept) does not touch the weights or the optimizer
 state: AdamW's momentum would still move them on an empty batch.
@@ -38,8 +40,10 @@ class StepResult:
 
 def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageConfig,
             batch_cfg: batching.BatchConfig, update_epochs: int = 1,
-            baseline: Optional[BaselineState] = None, reference: Any = None) -> StepResult:
-  """Runs one step (see the module docstring); `reference` = frozen params for ref_logp."""
+            baseline: Optional[BaselineState] = None, reference: Any = None,
+            teacher: Any = None) -> StepResult:
+  """Runs one step (see the module docstring); `reference` = frozen params for ref_logp;
+  `teacher` = a teacher.SelfTeacher for teacher_logp / teacher_mask."""
   t0 = time.perf_counter()
   source.update_weights(learner.params, version=version)
   t_sync = time.perf_counter() - t0
@@ -48,6 +52,7 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
   adv = compute_advantages(trajs, advantage, baseline)
   keep = [t for t, k in zip(trajs, adv.keep) if k]
   metrics: dict[str, float] = {}
+  teacher_metrics: dict[str, float] = {}
   t1 = time.perf_counter()
   if keep:
     batch = batching.build_batch(keep, adv.advantages[adv.keep].tolist(), batch_cfg)
@@ -59,15 +64,21 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
     if reference is not None:
       needs.add("ref_logp")
     unsupported = needs - {"old_logp", "ref_logp", "behaviour_logp"}
+    if teacher is not None:
+      unsupported -= {"teacher_logp", "teacher_mask"}
     if unsupported:
       raise ValueError(f"loss {learner.cfg.loss!r} needs {sorted(unsupported)}, which this RL "
                        "step cannot compute (a distillation loss needs a teacher)")
+    if teacher is not None and needs & {"teacher_logp", "teacher_mask"}:
+      batch, teacher_metrics = teacher.fill(learner, keep, batch, {t.id: t for t in tasks})
     if "ref_logp" in needs:
       batch = dataclasses.replace(batch, ref_logp=np.asarray(learner.logprobs(batch, reference)))
     if "old_logp" in needs:
       batch = dataclasses.replace(batch, old_logp=np.asarray(learner.logprobs(batch)))
     for _ in range(update_epochs):
       metrics = learner.step(batch)
+    if teacher is not None:
+      teacher.after_update(learner)
   t_train = time.perf_counter() - t1
   scored = [t for t in keep if t.reward is not None]
   reward = float(np.mean([t.reward for t in scored])) if scored else float("nan")
@@ -81,6 +92,7 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
       "skipped_update": float(not keep),
       "time/update_weights_s": t_sync, "time/generate_s": t_gen, "time/train_s": t_train,
   })
+  metrics.update(teacher_metrics)
   metrics.update(episode_signals(trajs))
   metrics["filter/zero_var_group_frac"] = metrics["zero_var_group_frac"]
   if adv.state is not None:

@@ -25,6 +25,7 @@ from posttrain_jax.losses.off_policy import CORRECTIONS
 from posttrain_jax.models.tiny import TinyModelConfig
 from posttrain_jax.replay import ReplayConfig
 from posttrain_jax.sharding import MeshConfig
+from posttrain_jax.teacher import TeacherConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,7 @@ class RLPhaseConfig:
   loss: Any = None                # the loss's own config (class from the registry); None = defaults
   update_epochs: int = 1          # optimizer steps per batch; > 1 recomputes log pi_old first
   reference_kl: bool = True       # score log pi_ref (the warm-start model) to report KL; needed if kl_coef > 0
+  teacher: TeacherConfig = TeacherConfig()  # a distillation loss's teacher (teacher.py): context, weights
   batch: BatchConfig = BatchConfig(rows=128, seq_len=48, max_seqs=256)
 
   def __post_init__(self):

@@ -41,7 +41,7 @@ from posttrain_jax import batching
 from posttrain_jax.actors.episode import EpisodeContext, episode_spec
 from posttrain_jax.actors.multiturn import demonstration_trajectory, evaluate_episodes
 from posttrain_jax.actors.pool import AsyncRollouts
-from posttrain_jax.actors.rollout import SyncRollouts, draw_task, encode_prompt
+from posttrain_jax.actors.rollout import SyncRollouts, draw_task, encode_messages, encode_prompt
 from posttrain_jax.byoh.online import OnlineServer
 from posttrain_jax.byoh.trace_source import TraceRollouts
 from posttrain_jax.advantages import BaselineState
@@ -57,6 +57,7 @@ from posttrain_jax.models.tiny import build_tiny_model
 from posttrain_jax.rl_step import rl_step
 from posttrain_jax.run_config import RunConfig, run_config_from_dict
 from posttrain_jax.sharding import make_mesh
+from posttrain_jax.teacher import SelfTeacher
 
 # Config fields whose change makes a checkpoint mean something else: resuming is refused.
 _FIXED_ON_RESUME = ("seed", "model", "tasks", "sft.steps", "sft.batch_size", "sft.answer_style",
@@ -300,6 +301,7 @@ class Trainer:
       # resumed one holds trained weights, so the start weights are read again
       reference = (jax.tree.map(jnp.copy, learner.state.params) if not resume
                    else nnx.to_pure_dict(nnx.state(self._load(base), nnx.Param)))
+    teacher = self._teacher(learner, resume)
     engine = self._engine_obj = self._engine(learner, base)
     source = self._source = self._rollout_source(learner, engine, base)
     if self._source_state:
@@ -314,7 +316,7 @@ class Trainer:
       t0 = time.perf_counter()
       out = rl_step(learner, source, step=step, version=version, advantage=cfg.advantage,
                     batch_cfg=cfg.batch, update_epochs=cfg.update_epochs,
-                    baseline=self.baseline, reference=reference)
+                    baseline=self.baseline, reference=reference, teacher=teacher)
       self.baseline = out.baseline if out.baseline is not None else self.baseline
       metrics = out.metrics
       self.rewards.append(metrics["reward/mean"])
@@ -337,6 +339,19 @@ class Trainer:
     writer.write(self.total_steps, dict(self.final_eval))
     hf_io.save_hf_model(learner.model(), self.workdir / "final_model", tokenizer_dir=self.model_dir)
     return self.total_steps
+
+  def _teacher(self, learner: Learner, resume: bool) -> Optional[SelfTeacher]:
+    """The distillation teacher when the loss reads teacher_logp (teacher.py), else None."""
+    if not learner.spec.needs(self.loss_cfg) & {"teacher_logp", "teacher_mask"}:
+      return None
+    cfg = self.cfg.rl.teacher
+    if cfg.weights == "ema" and resume:
+      raise ValueError("resuming a run whose teacher is an EMA (rl.teacher.weights='ema') is not "
+                       "supported yet: the EMA weights are not checkpointed; use "
+                       "rl.teacher.weights='student' or start a new workdir")
+    ema = jax.tree.map(jnp.copy, learner.state.params) if cfg.weights == "ema" else None
+    return SelfTeacher(cfg, lambda msgs: encode_messages(self.tokenizer, msgs), self.cfg.rl.batch,
+                       ema_params=ema)
 
   def _stop(self, step: int) -> bool:
     return self.cfg.stop_after_step is not None and step >= self.cfg.stop_after_step

@@ -13,7 +13,7 @@ RANKS = {
     "audit": 2,
     "models": 3,
     "learner": 4, "engines": 4,
-    "actors": 5, "replay": 5, "byoh": 5,
+    "actors": 5, "replay": 5, "byoh": 5, "teacher": 5,
     "run_config": 6, "trainer": 6, "rl_step": 6,
     "launch": 7, "configs": 7,
 }

@@ -68,11 +68,16 @@ class RolloutConfig:
                           top_p=self.top_p, top_k=self.top_k, stop_token_ids=tuple(stop_token_ids))
 
 
-def encode_prompt(tokenizer, task: Task) -> list[int]:
-  """Prompt ids through the tokenizer's chat template (generation prompt appended)."""
-  out = tokenizer.apply_chat_template(task.messages, add_generation_prompt=True, tokenize=True)
+def encode_messages(tokenizer, messages: list) -> list[int]:
+  """A chat's ids through the tokenizer's chat template (generation prompt appended)."""
+  out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
   ids = out["input_ids"] if hasattr(out, "keys") else out
   return list(ids)
+
+
+def encode_prompt(tokenizer, task: Task) -> list[int]:
+  """A task's prompt ids through the tokenizer's chat template (generation prompt appended)."""
+  return encode_messages(tokenizer, task.messages)
 
 
 def _trajectory(item: WorkItem, idx: int, prompt_ids: list[int], comp: Completion, text: str,
@@ -89,13 +94,14 @@ def _trajectory(item: WorkItem, idx: int, prompt_ids: list[int], comp: Completio
       loss_mask = [0] * (len(prompt_ids) + n)
   info = {} if grade is None else {k: v for k, v in grade.info.items()
                                    if isinstance(v, (int, float, str, bool)) or v is None}
+  feedback = info.get("feedback")   # a grader's free text on the attempt (teacher.py reads it)
   return Trajectory(
       id=f"{item.group_id}/{idx}", task_id=task.id, group_id=item.group_id,
       source=Source.TASK_BANK, token_ids=prompt_ids + comp.token_ids, loss_mask=loss_mask,
       behaviour_logprobs=[0.0] * len(prompt_ids) + list(comp.logprobs),
       policy_version=[-1] * len(prompt_ids) + [comp.version] * n,
       messages=[*task.messages, {"role": "assistant", "content": text}],
-      reward=reward, status=status,
+      reward=reward, status=status, feedback=feedback if isinstance(feedback, str) else None,
       metrics={"response_len": float(n), "draw": item.draw, "requeues": item.requeues,
                "finish_reason": comp.finish_reason, **metrics,
                **{f"grade/{k}": v for k, v in info.items() if isinstance(v, (int, float, bool))}})

@@ -1,0 +1,243 @@
+"""Self-distillation teachers: the model itself, with privileged context, scoring the student's tokens.
+
+For a trajectory whose prompt is the chat x and whose sampled span is y (every token from the
+first sampled one on, tool results and template glue included, as the engine's ids), the
+teacher sequence is
+
+    teacher ids = render(x with context c added to its last user message) ++ y
+
+and the teacher's log-prob of each *sampled* token of y, log T(y_t | x, c, y_<t), is computed by
+the learner's forward pass under the teacher's weights. The response span is the same ids
+(never re-rendered from text), so the teacher's sampled positions line up one to one with the
+student's; `score` verifies that token by token (same count, same target id at each position)
+and raises `AlignmentError` otherwise — a shifted alignment can never train silently.
+
+Context c (a registered `CONTEXTS` function of the trajectory, its group and its task):
+  feedback   the grader's / user's free text on this attempt (Trajectory.feedback)
+  reference  the task's reference solution (task.metadata["solution"], else task.answer)
+  sibling    a successful sibling's answer (same group, reward ≥ success_reward, not itself)
+  sdpo       sibling when there is one, else feedback (SDPO's rule, arXiv 2601.20802)
+A trajectory without context gets teacher_mask 0 on every token: the distillation term skips
+it, and `distill/no_context_frac` counts it.
+
+Weights: "student" scores with the current parameters (before this step's update: the teacher
+is the policy that sampled, plus the context); "ema" with an exponential moving average
+θ_T ← θ_T + r (θ − θ_T) of them, updated after every step (rate r, SDPO's default 0.05),
+starting from the RL start weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import numpy as np
+
+from posttrain_jax import batching
+from posttrain_jax.registry import Registry
+from posttrain_jax.types import TrainBatch, Trajectory
+
+ContextFn = Callable[[Trajectory, Sequence[Trajectory], Any, "TeacherConfig"], Optional[str]]
+CONTEXTS: Registry[ContextFn] = Registry("teacher context")
+WEIGHTS = ("student", "ema")
+
+
+class AlignmentError(ValueError):
+  """The teacher's sampled positions do not match the student's token for token."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherConfig:
+  """The self-distillation teacher: which privileged context, how it is shown, which weights."""
+  context: str = "feedback"       # a name in CONTEXTS: feedback | reference | sibling | sdpo
+  template: str = "{prompt}\n\n{context}"  # the teacher's last user message ({prompt}: the student's)
+  feedback_template: str = "Feedback on an earlier attempt: {text}"
+  reference_template: str = "A correct solution: {text}"
+  sibling_template: str = "A correct answer: {text}"
+  success_reward: float = 1.0     # a sibling with reward ≥ this is successful
+  weights: str = "student"        # "student" (current weights) | "ema"
+  ema_rate: float = 0.05          # r in θ_T ← θ_T + r (θ − θ_T), weights="ema" only
+  seq_len: int = 256              # positions per row of the teacher's batch (prompt + context + y)
+
+  def __post_init__(self):
+    CONTEXTS.get(self.context)
+    if self.weights not in WEIGHTS:
+      raise ValueError(f"TeacherConfig.weights is {self.weights!r}; valid: {WEIGHTS}")
+    if not 0.0 < self.ema_rate <= 1.0:
+      raise ValueError(f"TeacherConfig.ema_rate must be in (0, 1], got {self.ema_rate}")
+    if "{prompt}" not in self.template or "{context}" not in self.template:
+      raise ValueError("TeacherConfig.template must contain {prompt} and {context}, got "
+                       f"{self.template!r}")
+
+
+def _answer_text(traj: Trajectory) -> Optional[str]:
+  for m in reversed(traj.messages):
+    if m.get("role") == "assistant" and isinstance(m.get("content"), str):
+      return m["content"]
+  return None
+
+
+@CONTEXTS.register("feedback")
+def _feedback(traj, group, task, cfg):
+  return cfg.feedback_template.format(text=traj.feedback) if traj.feedback else None
+
+
+@CONTEXTS.register("reference")
+def _reference(traj, group, task, cfg):
+  if task is None:
+    return None
+  text = task.metadata.get("solution") or task.answer
+  return cfg.reference_template.format(text=text) if text else None
+
+
+@CONTEXTS.register("sibling")
+def _sibling(traj, group, task, cfg):
+  for other in group:
+    if (other.id != traj.id and other.reward is not None and other.reward >= cfg.success_reward
+        and _answer_text(other)):
+      return cfg.sibling_template.format(text=_answer_text(other))
+  return None
+
+
+@CONTEXTS.register("sdpo")
+def _sdpo(traj, group, task, cfg):
+  return _sibling(traj, group, task, cfg) or _feedback(traj, group, task, cfg)
+
+
+def teacher_messages(messages: Sequence[dict], context: str, template: str) -> Optional[list]:
+  """The prompt (the messages before the first assistant turn) with `context` added to its last
+  user message through `template`; None when the prompt has no user message."""
+  prompt = []
+  for m in messages:
+    if m.get("role") == "assistant":
+      break
+    prompt.append(dict(m))
+  users = [i for i, m in enumerate(prompt) if m.get("role") == "user"
+           and isinstance(m.get("content"), str)]
+  if not users:
+    return None
+  last = prompt[users[-1]]
+  last["content"] = template.format(prompt=last["content"], context=context)
+  return prompt
+
+
+def teacher_trajectory(traj: Trajectory, prompt_ids: Sequence[int]) -> Trajectory:
+  """`prompt_ids` ++ the trajectory's span from its first sampled token on (ids, mask and
+  behaviour log-probs copied, not re-rendered)."""
+  p = traj.prompt_len
+  n = len(prompt_ids)
+  return dataclasses.replace(
+      traj, id=f"{traj.id}#teacher", token_ids=list(prompt_ids) + traj.token_ids[p:],
+      loss_mask=[0] * n + traj.loss_mask[p:],
+      behaviour_logprobs=[0.0] * n + traj.behaviour_logprobs[p:],
+      policy_version=[-1] * n + traj.policy_version[p:], messages=[])
+
+
+def _sampled_positions(batch_like: TrainBatch, n_seqs: int) -> list[tuple[np.ndarray, np.ndarray]]:
+  """Per sequence s < n_seqs: (rows, cols) of its sampled targets, in sequence order."""
+  mask = np.asarray(batch_like.loss_mask) > 0
+  rows, cols = np.nonzero(mask)                      # row-major: in order within a sequence
+  sid = np.asarray(batch_like.seq_ids)[rows, cols]
+  out = []
+  for s in range(n_seqs):
+    sel = sid == s
+    out.append((rows[sel], cols[sel]))
+  return out
+
+
+def align(student: TrainBatch, teacher: TrainBatch, owners: Sequence[int],
+          teacher_logp_bt: np.ndarray, ids: Sequence[str] = ()) -> tuple[np.ndarray, np.ndarray]:
+  """Scatters the teacher's per-token log-probs onto the student's layout.
+
+  Teacher sequence k belongs to student sequence owners[k]. Returns (teacher_logp, teacher_mask)
+  in the student's [B, T] shape (`ids`: the student trajectories' ids, for errors). Raises
+  AlignmentError unless, for every k, the two sequences
+  have the same number of sampled targets with the same ids in the same order.
+  """
+  n_student = int(np.max(owners)) + 1 if len(owners) else 0
+  s_pos = _sampled_positions(student, max(n_student, 1))
+  t_pos = _sampled_positions(teacher, len(owners))
+  s_tgt, t_tgt = np.asarray(student.target_ids), np.asarray(teacher.target_ids)
+  logp = np.zeros(np.shape(student.loss_mask), np.float32)
+  mask = np.zeros(np.shape(student.loss_mask), np.float32)
+  for k, s in enumerate(owners):
+    (sr, sc), (tr, tc) = s_pos[s], t_pos[k]
+    name = f"trajectory {ids[s]!r}" if s < len(ids) else f"sequence {s}"
+    if len(sr) != len(tr):
+      raise AlignmentError(f"{name}: the student has {len(sr)} sampled tokens, its teacher "
+                           f"sequence {len(tr)}")
+    bad = np.nonzero(s_tgt[sr, sc] != t_tgt[tr, tc])[0]
+    if len(bad):
+      i = int(bad[0])
+      raise AlignmentError(f"{name}: sampled token {i} is id {int(s_tgt[sr[i], sc[i]])} for the "
+                           f"student but {int(t_tgt[tr[i], tc[i]])} in the teacher sequence")
+    logp[sr, sc] = np.asarray(teacher_logp_bt)[tr, tc]
+    mask[sr, sc] = 1.0
+  return logp, mask
+
+
+@jax.jit
+def ema_update(teacher_params, params, rate):
+  """θ_T + r (θ − θ_T), leaf by leaf."""
+  return jax.tree.map(lambda t, p: t + rate * (p.astype(t.dtype) - t), teacher_params, params)
+
+
+class SelfTeacher:
+  """Fills `teacher_logp` / `teacher_mask` of a student batch (see the module docstring).
+
+  `encode(messages) -> prompt ids` renders a chat with the generation prompt (the same function
+  the rollouts use); `tasks` maps task ids to Task records for the "reference" context.
+  """
+
+  def __init__(self, cfg: TeacherConfig, encode: Callable[[list], list[int]],
+               student_batch: batching.BatchConfig, ema_params: Any = None):
+    self.cfg = cfg
+    self.encode = encode
+    self.batch_cfg = dataclasses.replace(student_batch, seq_len=cfg.seq_len)
+    self.context_fn = CONTEXTS.get(cfg.context)
+    self.ema_params = ema_params
+    if cfg.weights == "ema" and ema_params is None:
+      raise ValueError("TeacherConfig.weights='ema' needs the starting weights (ema_params)")
+
+  def params(self, learner):
+    return self.ema_params if self.cfg.weights == "ema" else learner.params
+
+  def after_update(self, learner) -> None:
+    """Moves the EMA towards the student's new weights (nothing for weights="student")."""
+    if self.cfg.weights == "ema":
+      self.ema_params = ema_update(self.ema_params, learner.params, self.cfg.ema_rate)
+
+  def fill(self, learner, trajs: Sequence[Trajectory], batch: TrainBatch,
+           tasks: Optional[dict] = None) -> tuple[TrainBatch, dict[str, float]]:
+    """`batch` (built from `trajs`, in order) with teacher_logp and teacher_mask filled."""
+    groups: dict[Any, list[Trajectory]] = {}
+    for t in trajs:
+      groups.setdefault(t.group_id or t.id, []).append(t)
+    owners, teacher_trajs = [], []
+    no_prompt = 0
+    for s, traj in enumerate(trajs):
+      task = (tasks or {}).get(traj.task_id)
+      context = self.context_fn(traj, groups[traj.group_id or traj.id], task, self.cfg)
+      if context is None:
+        continue
+      msgs = teacher_messages(traj.messages, context, self.cfg.template)
+      if msgs is None:
+        no_prompt += 1
+        continue
+      owners.append(s)
+      teacher_trajs.append(teacher_trajectory(traj, self.encode(msgs)))
+    shape = np.shape(batch.loss_mask)
+    logp, mask = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    if teacher_trajs:
+      try:
+        tb = batching.build_batch(teacher_trajs, [0.0] * len(teacher_trajs), self.batch_cfg,
+                                  with_behaviour=False)
+      except batching.BatchError as e:
+        raise batching.BatchError(f"the teacher's batch (rl.teacher.seq_len={self.cfg.seq_len}, "
+                                  f"rows={self.batch_cfg.rows}): {e}") from None
+      t_logp = np.asarray(learner.logprobs(tb, self.params(learner)))
+      logp, mask = align(batch, tb, owners, t_logp, [t.id for t in trajs])
+    n = max(len(trajs), 1)
+    metrics = {"distill/no_context_frac": 1.0 - len(owners) / n,
+               "distill/no_prompt_frac": no_prompt / n}
+    return dataclasses.replace(batch, teacher_logp=logp, teacher_mask=mask), metrics
