@@ -54,4 +54,4 @@ from posttrain_jax.envs.task_bank import (
     TaskIterator,
 )
 # the built-in environments register their task generators and envs
-from posttrain_jax.envs import file_task, tool_math  # noqa: E402,F401
+from posttrain_jax.envs import file_task, hidden_rule, tool_math  # noqa: E402,F401
