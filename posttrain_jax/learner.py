@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from posttrain_jax.kernels import lm_head as kernels
 from posttrain_jax.losses import get_loss
-from posttrain_jax.losses.base import LossSpec
+from posttrain_jax.losses.base import HeadInputs, LossSpec
 from posttrain_jax.models.decoder import Decoder
 from posttrain_jax.types import TrainBatch, TrainState
 
@@ -99,9 +99,18 @@ def token_logprobs(graphdef, params, batch: TrainBatch, *, temperature: float = 
   return out[0].reshape(shape)
 
 
+def hidden_states(graphdef, params, batch: TrainBatch) -> jax.Array:
+  """The final hidden states [B, T, D] (the LM head's input)."""
+  h, _, _ = _hidden_and_head(graphdef, params, batch)
+  return h.reshape(*batch.target_ids.shape, h.shape[-1])
+
+
 def objective(params, batch: TrainBatch, *, graphdef, spec: LossSpec, loss_cfg, cfg: LearnerConfig):
   """(loss * count, metrics): the quantity whose gradients add up across micro-batches."""
-  if cfg.fused_loss and spec.separable:
+  if spec.head:   # the loss reads the distribution itself (losses/base.py, head losses)
+    h, w, transposed = _hidden_and_head(graphdef, params, batch)
+    loss, metrics = spec.fn(HeadInputs(h, w, transposed, cfg.temperature), batch, loss_cfg)
+  elif cfg.fused_loss and spec.separable:
     h, w, transposed = _hidden_and_head(graphdef, params, batch)
     terms = spec.token_terms(batch, loss_cfg)
     flat = jax.tree.map(lambda x: x.reshape(-1) if jnp.ndim(x) == 2 else x, terms)
@@ -258,6 +267,7 @@ class Learner:
         donate_argnums=0, out_shardings=(self._state_sharding, None))
     self._logprobs = jax.jit(functools.partial(token_logprobs, self.graphdef,
                                                temperature=cfg.temperature, impl=cfg.logprob_impl))
+    self._hidden = jax.jit(functools.partial(hidden_states, self.graphdef))
 
   @property
   def params(self):
@@ -277,11 +287,15 @@ class Learner:
       return jax.tree.map(jnp.asarray, batch)
     rows = NamedSharding(self.mesh, P(("data", "fsdp")))
     rep = NamedSharding(self.mesh, P())
-    return jax.tree.map(lambda x: jax.device_put(x, rows if np.ndim(x) == 2 else rep), batch)
+    return jax.tree.map(lambda x: jax.device_put(x, rows if np.ndim(x) >= 2 else rep), batch)
 
   def logprobs(self, batch: TrainBatch, params=None) -> jax.Array:
     """Per-token log-probs of `batch.target_ids` under `params` (default: current)."""
     return self._logprobs(self.state.params if params is None else params, self.put_batch(batch))
+
+  def hidden(self, batch: TrainBatch, params=None) -> jax.Array:
+    """The final hidden states [B, T, D] of `batch` under `params` (default: current)."""
+    return self._hidden(self.state.params if params is None else params, self.put_batch(batch))
 
   def step(self, batch: TrainBatch) -> dict[str, float]:
     self.state, metrics = self._step(self.state, self.put_batch(batch))

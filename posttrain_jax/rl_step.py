@@ -64,13 +64,15 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
     if reference is not None:
       needs.add("ref_logp")
     unsupported = needs - {"old_logp", "ref_logp", "behaviour_logp"}
+    teacher_fields = {"teacher_logp", "teacher_mask", "teacher_hidden"}
     if teacher is not None:
-      unsupported -= {"teacher_logp", "teacher_mask"}
+      unsupported -= teacher_fields
     if unsupported:
       raise ValueError(f"loss {learner.cfg.loss!r} needs {sorted(unsupported)}, which this RL "
                        "step cannot compute (a distillation loss needs a teacher)")
-    if teacher is not None and needs & {"teacher_logp", "teacher_mask"}:
-      batch, teacher_metrics = teacher.fill(learner, keep, batch, {t.id: t for t in tasks})
+    if teacher is not None and needs & teacher_fields:
+      batch, teacher_metrics = teacher.fill(learner, keep, batch, {t.id: t for t in tasks},
+                                            needs=needs)
     if "ref_logp" in needs:
       batch = dataclasses.replace(batch, ref_logp=np.asarray(learner.logprobs(batch, reference)))
     if "old_logp" in needs:

@@ -146,20 +146,24 @@ def _sampled_positions(batch_like: TrainBatch, n_seqs: int) -> list[tuple[np.nda
 
 
 def align(student: TrainBatch, teacher: TrainBatch, owners: Sequence[int],
-          teacher_logp_bt: np.ndarray, ids: Sequence[str] = ()) -> tuple[np.ndarray, np.ndarray]:
-  """Scatters the teacher's per-token log-probs onto the student's layout.
+          teacher_logp_bt: Optional[np.ndarray], ids: Sequence[str] = (),
+          teacher_hidden_btd: Optional[np.ndarray] = None):
+  """Scatters the teacher's per-token values onto the student's layout.
 
-  Teacher sequence k belongs to student sequence owners[k]. Returns (teacher_logp, teacher_mask)
-  in the student's [B, T] shape (`ids`: the student trajectories' ids, for errors). Raises
-  AlignmentError unless, for every k, the two sequences
-  have the same number of sampled targets with the same ids in the same order.
+  Teacher sequence k belongs to student sequence owners[k]. Returns (teacher_logp [B, T],
+  teacher_mask [B, T], teacher_hidden [B, T, D] or None) in the student's shape (`ids`: the
+  student trajectories' ids, for errors; a None input gives a None or zero output). Raises
+  AlignmentError unless, for every k, the two sequences have the same number of sampled targets
+  with the same ids in the same order.
   """
   n_student = int(np.max(owners)) + 1 if len(owners) else 0
   s_pos = _sampled_positions(student, max(n_student, 1))
   t_pos = _sampled_positions(teacher, len(owners))
   s_tgt, t_tgt = np.asarray(student.target_ids), np.asarray(teacher.target_ids)
-  logp = np.zeros(np.shape(student.loss_mask), np.float32)
-  mask = np.zeros(np.shape(student.loss_mask), np.float32)
+  shape = np.shape(student.loss_mask)
+  logp, mask = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+  hidden = (None if teacher_hidden_btd is None else
+            np.zeros((*shape, np.shape(teacher_hidden_btd)[-1]), np.float32))
   for k, s in enumerate(owners):
     (sr, sc), (tr, tc) = s_pos[s], t_pos[k]
     name = f"trajectory {ids[s]!r}" if s < len(ids) else f"sequence {s}"
@@ -171,9 +175,12 @@ def align(student: TrainBatch, teacher: TrainBatch, owners: Sequence[int],
       i = int(bad[0])
       raise AlignmentError(f"{name}: sampled token {i} is id {int(s_tgt[sr[i], sc[i]])} for the "
                            f"student but {int(t_tgt[tr[i], tc[i]])} in the teacher sequence")
-    logp[sr, sc] = np.asarray(teacher_logp_bt)[tr, tc]
+    if teacher_logp_bt is not None:
+      logp[sr, sc] = np.asarray(teacher_logp_bt)[tr, tc]
+    if hidden is not None:
+      hidden[sr, sc] = np.asarray(teacher_hidden_btd)[tr, tc]
     mask[sr, sc] = 1.0
-  return logp, mask
+  return logp, mask, hidden
 
 
 @jax.jit
@@ -208,8 +215,11 @@ class SelfTeacher:
       self.ema_params = ema_update(self.ema_params, learner.params, self.cfg.ema_rate)
 
   def fill(self, learner, trajs: Sequence[Trajectory], batch: TrainBatch,
-           tasks: Optional[dict] = None) -> tuple[TrainBatch, dict[str, float]]:
-    """`batch` (built from `trajs`, in order) with teacher_logp and teacher_mask filled."""
+           tasks: Optional[dict] = None, needs=("teacher_logp", "teacher_mask")
+           ) -> tuple[TrainBatch, dict[str, float]]:
+    """`batch` (built from `trajs`, in order) with teacher_mask and, as `needs` says,
+    teacher_logp (the teacher's log-prob of each sampled token) and teacher_hidden (its final
+    hidden state there, for full-distribution losses) filled."""
     groups: dict[Any, list[Trajectory]] = {}
     for t in trajs:
       groups.setdefault(t.group_id or t.id, []).append(t)
@@ -227,7 +237,10 @@ class SelfTeacher:
       owners.append(s)
       teacher_trajs.append(teacher_trajectory(traj, self.encode(msgs)))
     shape = np.shape(batch.loss_mask)
-    logp, mask = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    logp, mask, hidden = np.zeros(shape, np.float32), np.zeros(shape, np.float32), None
+    want_hidden = "teacher_hidden" in needs
+    if want_hidden:
+      hidden = np.zeros((*shape, learner.model().cfg.hidden_size), np.float32)
     if teacher_trajs:
       try:
         tb = batching.build_batch(teacher_trajs, [0.0] * len(teacher_trajs), self.batch_cfg,
@@ -235,9 +248,12 @@ class SelfTeacher:
       except batching.BatchError as e:
         raise batching.BatchError(f"the teacher's batch (rl.teacher.seq_len={self.cfg.seq_len}, "
                                   f"rows={self.batch_cfg.rows}): {e}") from None
-      t_logp = np.asarray(learner.logprobs(tb, self.params(learner)))
-      logp, mask = align(batch, tb, owners, t_logp, [t.id for t in trajs])
+      params = self.params(learner)
+      t_logp = (np.asarray(learner.logprobs(tb, params)) if "teacher_logp" in needs else None)
+      t_hidden = np.asarray(learner.hidden(tb, params)) if want_hidden else None
+      logp, mask, hidden = align(batch, tb, owners, t_logp, [t.id for t in trajs], t_hidden)
     n = max(len(trajs), 1)
     metrics = {"distill/no_context_frac": 1.0 - len(owners) / n,
                "distill/no_prompt_frac": no_prompt / n}
-    return dataclasses.replace(batch, teacher_logp=logp, teacher_mask=mask), metrics
+    return dataclasses.replace(batch, teacher_logp=logp if "teacher_logp" in needs else None,
+                               teacher_mask=mask, teacher_hidden=hidden), metrics

@@ -341,8 +341,8 @@ class Trainer:
     return self.total_steps
 
   def _teacher(self, learner: Learner, resume: bool) -> Optional[SelfTeacher]:
-    """The distillation teacher when the loss reads teacher_logp (teacher.py), else None."""
-    if not learner.spec.needs(self.loss_cfg) & {"teacher_logp", "teacher_mask"}:
+    """The distillation teacher when the loss reads a teacher field (teacher.py), else None."""
+    if not learner.spec.needs(self.loss_cfg) & {"teacher_logp", "teacher_mask", "teacher_hidden"}:
       return None
     cfg = self.cfg.rl.teacher
     if cfg.weights == "ema" and resume:

@@ -160,6 +160,7 @@ class TrainBatch:
   ref_logp: Optional[jax.Array] = None         # [B, T] log pi_ref(y_t), frozen reference
   teacher_logp: Optional[jax.Array] = None     # [B, T] log T(y_t), a teacher's score
   teacher_mask: Optional[jax.Array] = None     # [B, T] 1 where a teacher scored the token
+  teacher_hidden: Optional[jax.Array] = None   # [B, T, D] the teacher's final hidden state there
 
   @property
   def num_seqs(self) -> int:

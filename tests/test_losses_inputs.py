@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tests.loss_testing import layout, loss_value_and_grad, one_per_row, random_seqs, to_bt
-from posttrain_jax.losses import (LOSSES, CISPOConfig, DistillConfig, GRPOConfig, GSPOConfig,
-                                  KLConfig, LossSpec, M2POConfig, M2POMaskConfig, SFTConfig,
+from posttrain_jax.losses import (LOSSES, CISPOConfig, DistillConfig, FullDistillConfig,
+                                  GRPOConfig, GSPOConfig, KLConfig, LossSpec, M2POConfig, M2POMaskConfig, SFTConfig,
                                   get_loss, register_loss)
 from posttrain_jax.losses.base import OPTIONAL_FIELDS
 
@@ -45,12 +45,17 @@ CASES = [
 
 
 def test_every_registered_loss_has_cases():
-  assert {name for name, _, _ in CASES} == set(LOSSES.names())
-  assert OPTIONAL_FIELDS == {OLD, BEH, REF, TEA, TMASK}
+  # head losses take hidden states, not log-probs: tests/test_losses_full_distill.py covers them
+  head = {n for n in LOSSES.names() if get_loss(n).head}
+  assert head == {"full_distill"}
+  assert {name for name, _, _ in CASES} == set(LOSSES.names()) - head
+  assert OPTIONAL_FIELDS == {OLD, BEH, REF, TEA, TMASK, "teacher_hidden"}
+  assert get_loss("full_distill").needs(FullDistillConfig()) == {TMASK, "teacher_hidden"}
 
 
 def _run(name, cfg, seqs, needed):
-  lay = layout(seqs, one_per_row(seqs), fields=[SHORT[f] for f in sorted(needed)])
+  # teacher_hidden ([B, T, D]) is read only by head losses, which are tested elsewhere
+  lay = layout(seqs, one_per_row(seqs), fields=[SHORT[f] for f in sorted(needed) if f in SHORT])
   return lay, loss_value_and_grad(name, cfg, lay, to_bt(lay, [s.logp for s in seqs]))
 
 

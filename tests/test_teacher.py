@@ -108,7 +108,7 @@ def test_a_shifted_or_edited_teacher_span_is_refused(models):
   good = [teacher_trajectory(t, prefix) for t in trajs]
   logp = np.zeros((2, 80), np.float32)
   tb = batching.build_batch(good, [0.0, 0.0], cfg, with_behaviour=False)
-  _, m = align(student, tb, [0, 1], logp)
+  _, m, _ = align(student, tb, [0, 1], logp)
   assert m.sum() == sum(t.num_sampled for t in trajs)   # every sampled target aligned
   # shifted by one: the span copied from one token too early (same count, ids one off)
   t0, p = trajs[0], trajs[0].prompt_len
@@ -167,3 +167,30 @@ def test_ema_update_and_the_ema_teacher(models):
 def test_config_errors_name_the_field(bad, match):
   with pytest.raises((ValueError, KeyError), match=match):
     TeacherConfig(**bad)
+
+
+def test_teacher_hidden_is_the_state_that_gave_each_aligned_log_prob(models):
+  """log softmax(teacher_hidden @ W)[target] at each scored position == teacher_logp (itself
+  checked against HF above): the hidden states sit at the aligned positions, token by token."""
+  _, learner = models
+  rng = np.random.default_rng(3)
+  trajs = [_traj(0, "abc", "fb one", rng), _traj(1, "hello", None, rng), _traj(2, "q", "x", rng)]
+  cfg = TeacherConfig(seq_len=96)
+  student_cfg = batching.BatchConfig(rows=2, seq_len=128, max_seqs=4, pack=True)
+  batch = batching.build_batch(trajs, [0.0] * 3, student_cfg)
+  teacher = SelfTeacher(cfg, encode, student_cfg)
+  out, _ = teacher.fill(learner, trajs, batch,
+                        needs={"teacher_logp", "teacher_mask", "teacher_hidden"})
+  only_hidden, _ = teacher.fill(learner, trajs, batch, needs={"teacher_mask", "teacher_hidden"})
+  assert only_hidden.teacher_logp is None
+  np.testing.assert_array_equal(only_hidden.teacher_hidden, out.teacher_hidden)
+  w, transposed = learner.model().head()
+  w = np.asarray(w).T if transposed else np.asarray(w)
+  m = np.asarray(out.teacher_mask) > 0
+  z = np.asarray(out.teacher_hidden, np.float64)[m] @ w
+  z -= z.max(-1, keepdims=True)
+  logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+  tgt = np.asarray(batch.target_ids)[m]
+  np.testing.assert_allclose(logp[np.arange(len(tgt)), tgt], np.asarray(out.teacher_logp)[m],
+                             rtol=1e-4, atol=1e-4)
+  assert not np.asarray(out.teacher_hidden)[~m].any()

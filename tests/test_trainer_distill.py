@@ -2,6 +2,7 @@
 trainer, on the hidden-rule task whose grader gives free-text feedback (envs/hidden_rule.py)."""
 import pytest
 
+from posttrain_jax.config_io import ConfigTypeError
 from posttrain_jax.metrics import read_metrics
 from posttrain_jax.run_config import run_config_from_dict
 from posttrain_jax.trainer import Trainer
@@ -59,3 +60,14 @@ def test_an_ema_teacher_refuses_to_resume_instead_of_restarting_its_average(tmp_
 def _as_dict(cfg):
   from posttrain_jax.config_io import to_dict
   return to_dict(cfg)
+
+
+def test_full_distribution_distillation_runs_and_refuses_an_ema_teacher(tmp_path):
+  loss = {"learner": {"loss": "full_distill", "optimizer": {"learning_rate": 1e-3}},
+          "loss": {"topk": 8}}
+  Trainer(distill_run(tmp_path / "d", **loss), log=lambda *_: None).run()
+  rows = _rl_rows(tmp_path / "d")
+  assert [r["step"] for r in rows] == [1, 2]
+  assert all(r["distill/teacher_token_frac"] == 1.0 and r["distill/divergence"] > 0 for r in rows)
+  with pytest.raises(ConfigTypeError, match="weights='student'"):
+    distill_run(tmp_path / "e", teacher={"weights": "ema"}, **loss)

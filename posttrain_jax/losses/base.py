@@ -20,6 +20,15 @@ only through that token's own `logp_t`:
 weights, masks) as `[B, T]` arrays; `token_loss` is elementwise and works on any shape. The
 fused LM-head kernel uses this form to compute gradients during its forward pass.
 
+Head losses. A loss that needs the whole next-token distribution, not only the sampled token's
+log-prob (full-distribution distillation), registers with `head=True` and is called as
+
+    fn(head: HeadInputs, batch, cfg) -> (loss, metrics)
+
+with the final hidden states h [N = B*T, D], the LM head W and the sampling temperature; it
+computes what it needs through the LM-head kernels (kernels/teacher.py), never [N, V]. It is
+never separable and the learner's `logprobs()` does not apply to it.
+
 Inputs. Every loss declares which optional TrainBatch fields (`behaviour_logp`, `old_logp`,
 `ref_logp`, `teacher_logp`, `teacher_mask`) it needs for a given config: `register_loss(..., inputs=...)`
 takes a static tuple of field names or a function `cfg -> iterable of names`, and
@@ -38,7 +47,7 @@ The contract, on both paths (`fn` and `token_terms`):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +75,15 @@ def _checked_fields(loss: str, names: Iterable[str]) -> frozenset[str]:
   return out
 
 
+class HeadInputs(NamedTuple):
+  """What a head loss gets instead of log-probs: h [N, D] (rows of the batch flattened), the LM
+  head W ([D, V], or [V, D] with transposed), and the softmax temperature."""
+  h: jax.Array
+  w: jax.Array
+  transposed: bool
+  temperature: float
+
+
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
   """A registered loss: the function, its config class and, if separable, its per-token form."""
@@ -75,6 +93,7 @@ class LossSpec:
   token_terms: Optional[Callable[[Any, Any], Any]] = None       # (batch, cfg) -> aux pytree of [B, T]
   token_loss: Optional[Callable[[jax.Array, Any, Any], jax.Array]] = None  # (logp, aux, cfg) -> ell
   inputs: Inputs = ()             # optional batch fields needed: names, or cfg -> names
+  head: bool = False              # fn takes HeadInputs instead of log-probs (module docstring)
 
   @property
   def separable(self) -> bool:
@@ -92,17 +111,19 @@ LOSSES: Registry[LossSpec] = Registry("loss")
 
 
 def register_loss(name: str, config_cls: type, *, inputs: Inputs, token_terms=None,
-                  token_loss=None):
+                  token_loss=None, head: bool = False):
   """Decorator: `@register_loss("grpo", GRPOConfig, inputs=grpo_inputs, token_terms=...,
   token_loss=...)`. `inputs` is required: a tuple of optional TrainBatch field names, or a
   function `cfg -> iterable of names` (`()` for a loss that needs none)."""
   if (token_terms is None) != (token_loss is None):
     raise ValueError(f"loss {name!r}: give both token_terms and token_loss, or neither")
+  if head and token_loss is not None:
+    raise ValueError(f"loss {name!r}: a head loss is not separable (no token_terms/token_loss)")
   if not callable(inputs):
     inputs = tuple(sorted(_checked_fields(name, inputs)))
 
   def deco(fn: LossFn) -> LossFn:
-    LOSSES.register(name)(LossSpec(name, fn, config_cls, token_terms, token_loss, inputs))
+    LOSSES.register(name)(LossSpec(name, fn, config_cls, token_terms, token_loss, inputs, head))
     return fn
   return deco
 

@@ -1,0 +1,188 @@
+"""full_distill (losses/full_distill.py): values and gradients against a float64 numpy reference
+(analytic gradients for the full vocabulary, central differences for top-k + tail), masks, the
+chunked path against the materialised one, and exact accumulation through the learner."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.learner_testing import random_trajectories, small_model
+from posttrain_jax import batching
+from posttrain_jax.learner import Learner, LearnerConfig, gradients
+from posttrain_jax.losses import FullDistillConfig, HeadInputs, get_loss
+from posttrain_jax.types import np_batch
+
+B, T, D, V, TAU = 2, 5, 6, 23, 0.9
+
+
+def _inputs(seed=0):
+  rng = np.random.default_rng(seed)
+  h = rng.standard_normal((B * T, D))
+  w = rng.standard_normal((D, V)) * 0.7
+  ht = rng.standard_normal((B * T, D))
+  mask = np.ones((B, T))
+  mask[0, 0] = mask[1, 3:] = 0          # prompt / padding
+  teacher_mask = np.ones((B, T))
+  teacher_mask[1, 1] = 0                # a token no teacher scored
+  batch = np_batch(input_ids=np.ones((B, T)), target_ids=np.ones((B, T)), loss_mask=mask,
+                   positions=np.tile(np.arange(T), (B, 1)), segment_ids=np.ones((B, T)),
+                   seq_ids=np.repeat(np.arange(B)[:, None], T, 1), seq_valid=np.ones(B),
+                   advantages=np.zeros((B, T)), teacher_mask=teacher_mask,
+                   teacher_hidden=ht.reshape(B, T, D))
+  return h, w, ht, mask, teacher_mask, batch
+
+
+def _log_softmax(z):
+  z = z - z.max(-1, keepdims=True)
+  return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def _div(ls, lt, kind, beta):
+  s, t = np.exp(ls), np.exp(lt)
+  if kind == "forward_kl":
+    return (t * (lt - ls)).sum(-1)
+  if kind == "reverse_kl":
+    return (s * (ls - lt)).sum(-1)
+  lm = np.log(beta * t + (1 - beta) * s)
+  return beta * (t * (lt - lm)).sum(-1) + (1 - beta) * (s * (ls - lm)).sum(-1)
+
+
+def ref_loss(h, w, ht, mask, tmask, cfg):
+  """numpy float64: Σ_t w_t m_t D_t with token_mean weights 1 / Σ mask."""
+  ls, lt = _log_softmax(h @ w / TAU), _log_softmax(ht @ w / TAU)
+  if cfg.topk is not None:
+    ids = np.argsort(-ls, axis=1, kind="stable")[:, :cfg.topk]
+    tail = lambda l: np.log1p(-np.exp(l).sum(-1, keepdims=True))
+    ls_k, lt_k = np.take_along_axis(ls, ids, 1), np.take_along_axis(lt, ids, 1)
+    ls, lt = np.concatenate([ls_k, tail(ls_k)], 1), np.concatenate([lt_k, tail(lt_k)], 1)
+  d = _div(ls, lt, cfg.divergence, cfg.beta)
+  m = (mask * tmask).reshape(-1)
+  return float((m * d).sum() / mask.sum()), d
+
+
+def ref_grad_full(h, w, ht, mask, tmask, cfg):
+  """Analytic d loss / d (h, W), the teacher held constant (kernels/teacher.py's formulas)."""
+  z = h @ w / TAU
+  ls, lt = _log_softmax(z), _log_softmax(ht @ w / TAU)
+  s, t = np.exp(ls), np.exp(lt)
+  if cfg.divergence == "forward_kl":
+    dz = s - t
+  elif cfg.divergence == "reverse_kl":
+    dz = s * (ls - lt - (s * (ls - lt)).sum(-1, keepdims=True))
+  else:
+    lm = np.log(cfg.beta * t + (1 - cfg.beta) * s)
+    dz = (1 - cfg.beta) * s * (ls - lm - (s * (ls - lm)).sum(-1, keepdims=True))
+  g = ((mask * tmask).reshape(-1) / mask.sum())[:, None] * dz / TAU
+  return g @ w.T, h.T @ g
+
+
+def _jax_loss(h, w, batch, cfg):
+  loss, metrics = get_loss("full_distill").fn(HeadInputs(h, w, False, TAU), batch, cfg)
+  return loss, metrics
+
+
+FULL = [FullDistillConfig(topk=None, impl=impl, divergence=kind)
+        for impl in ("chunked", "reference") for kind in ("jsd", "forward_kl", "reverse_kl")]
+
+
+@pytest.mark.parametrize("cfg", FULL + [FullDistillConfig(topk=None, beta=0.2)],
+                         ids=lambda c: f"{c.divergence}-{c.impl}-b{c.beta}")
+def test_full_vocabulary_value_and_gradient_match_float64(cfg):
+  h, w, ht, mask, tmask, batch = _inputs(1)
+  want, d = ref_loss(h, w, ht, mask, tmask, cfg)
+  (loss, metrics), (gh, gw) = jax.value_and_grad(_jax_loss, argnums=(0, 1), has_aux=True)(
+      jnp.asarray(h, jnp.float32), jnp.asarray(w, jnp.float32), batch, cfg)
+  np.testing.assert_allclose(float(loss), want, rtol=2e-5)
+  want_h, want_w = ref_grad_full(h, w, ht, mask, tmask, cfg)
+  np.testing.assert_allclose(np.asarray(gh), want_h, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(gw), want_w, rtol=1e-4, atol=1e-6)
+  m = (mask * tmask).reshape(-1)
+  s, c = metrics["distill/divergence"]
+  np.testing.assert_allclose(float(s / c), (m * d).sum() / m.sum(), rtol=2e-5)
+  s, c = metrics["distill/teacher_token_frac"]
+  assert float(s / c) == pytest.approx(m.sum() / mask.sum())
+
+
+@pytest.mark.parametrize("kind, beta", [("jsd", 0.5), ("jsd", 0.3), ("forward_kl", 0.5),
+                                        ("reverse_kl", 0.5)])
+def test_topk_and_tail_value_and_gradient_match_float64(kind, beta):
+  cfg = FullDistillConfig(topk=4, divergence=kind, beta=beta)
+  h, w, ht, mask, tmask, batch = _inputs(2)
+  want, _ = ref_loss(h, w, ht, mask, tmask, cfg)
+  (loss, _), (gh, gw) = jax.value_and_grad(_jax_loss, argnums=(0, 1), has_aux=True)(
+      jnp.asarray(h, jnp.float32), jnp.asarray(w, jnp.float32), batch, cfg)
+  np.testing.assert_allclose(float(loss), want, rtol=2e-5)
+  # central differences of the numpy reference, the teacher's head held at w (stop-gradient)
+  eps = 1e-6
+  for arr, got, name in ((h, gh, "h"), (w, gw, "w")):
+    num = np.zeros_like(arr)
+    for idx in np.ndindex(arr.shape):
+      plus, minus = arr.copy(), arr.copy()
+      plus[idx] += eps
+      minus[idx] -= eps
+      args = lambda a: (a, w, ht) if name == "h" else (h, a, ht)
+      f = lambda a: (ref_loss_teacher_fixed(*args(a), mask, tmask, cfg, w))
+      num[idx] = (f(plus) - f(minus)) / (2 * eps)
+    np.testing.assert_allclose(np.asarray(got), num, rtol=2e-3, atol=2e-5, err_msg=name)
+
+
+def ref_loss_teacher_fixed(h, w, ht, mask, tmask, cfg, w_teacher):
+  """ref_loss with the teacher's distribution from w_teacher (the top-k ids from the student)."""
+  ls, lt = _log_softmax(h @ w / TAU), _log_softmax(ht @ w_teacher / TAU)
+  ids = np.argsort(-ls, axis=1, kind="stable")[:, :cfg.topk]
+  tail = lambda l: np.log1p(-np.exp(l).sum(-1, keepdims=True))
+  ls_k, lt_k = np.take_along_axis(ls, ids, 1), np.take_along_axis(lt, ids, 1)
+  d = _div(np.concatenate([ls_k, tail(ls_k)], 1), np.concatenate([lt_k, tail(lt_k)], 1),
+           cfg.divergence, cfg.beta)
+  return float(((mask * tmask).reshape(-1) * d).sum() / mask.sum())
+
+
+def test_tokens_without_a_teacher_or_outside_the_loss_mask_contribute_nothing():
+  cfg = FullDistillConfig(topk=None)
+  h, w, _, mask, tmask, batch = _inputs(3)
+  garbage = np.asarray(batch.teacher_hidden).copy()
+  garbage[1, 1] = 1e3                   # the unscored token's teacher state
+  garbage[1, 4] = -1e3                  # a padding position's
+  moved = dataclasses.replace(batch, teacher_hidden=jnp.asarray(garbage, jnp.float32))
+  f = lambda b: jax.value_and_grad(_jax_loss, argnums=(0, 1), has_aux=True)(
+      jnp.asarray(h, jnp.float32), jnp.asarray(w, jnp.float32), b, cfg)
+  (l1, _), g1 = f(batch)
+  (l2, _), g2 = f(moved)
+  assert float(l1) == float(l2)
+  for a, b in zip(g1, g2):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # an unscored token's own h gets no gradient from this loss; a scored one does
+  assert np.abs(np.asarray(g1[0]).reshape(B, T, D)[1, 0]).max() > 1e-6
+  np.testing.assert_array_equal(np.asarray(g1[0]).reshape(B, T, D)[1, 1], 0.0)
+
+
+def test_head_loss_through_the_learner_is_exact_over_micro_batches():
+  trajs = random_trajectories(6, seed=4)
+  cfg = batching.BatchConfig(rows=8, seq_len=16, max_seqs=8, pack=False)
+  batch = batching.build_batch(trajs, [0.0] * 6, cfg)
+  rng = np.random.default_rng(5)
+  batch = dataclasses.replace(
+      batch, teacher_mask=(rng.random(batch.loss_mask.shape) < 0.7).astype(np.float32),
+      teacher_hidden=rng.standard_normal((*batch.loss_mask.shape, 32)).astype(np.float32))
+  loss_cfg = FullDistillConfig(topk=5)
+  out = []
+  for m in (1, 2, 4):
+    learner = Learner(small_model(), LearnerConfig(loss="full_distill", micro_batches=m), loss_cfg)
+    out.append(gradients(learner.params, learner.put_batch(batch), graphdef=learner.graphdef,
+                         spec=learner.spec, loss_cfg=loss_cfg, cfg=learner.cfg))
+  (g1, m1), rest = out[0], out[1:]
+  assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g1)) > 1e-4
+  for g, m in rest:
+    np.testing.assert_allclose(float(m["loss"][0]), float(m1["loss"][0]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g1)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(divergence="tvd"), "divergence"), (dict(beta=1.0), "beta"), (dict(topk=0), "topk"),
+    (dict(aggregation="nope"), "aggregation")])
+def test_config_errors(bad, match):
+  with pytest.raises((ValueError, KeyError), match=match):
+    FullDistillConfig(**bad)
