@@ -12,10 +12,17 @@ Memory is the compiled executable's temp_size_in_bytes (compile only, nothing ru
 total beside it: args + outputs + temp - aliased (the JSON also keeps the backend's own
 peak_memory_in_bytes, which XLA:CPU does not fill with the true peak). Time is wall-clock of
 the compiled step; the paths of one size run interleaved (A B C A B C ...) for --repeats rounds
-after --warmup rounds, and the minimum is reported. All ratios come from this one run. Ends with one line:
+after --warmup rounds, and the minimum is reported. All ratios come from this one run.
+
+The distillation divergence, full vocabulary: per-token JSD_beta(T || S) (beta 0.5, the
+teacher's own h_T, W_T), its value and the gradient w.r.t. the student's h and W, compiled at
+the headline size (compile only): the materialised form (kernels/reference.py: both [N, V]
+log-softmaxes and their gradient) vs the chunked kernel (kernels/teacher.py: two passes over
+vocabulary tiles, never [N, V]). Ends with one line:
 
   RESULT memory_ratio=<materialised / fused temp bytes at N=8192, D=2048>
          time_ratio=<fused / materialised time at N=8192, D=2048>
+         jsd_memory_ratio=<materialised / chunked JSD temp bytes at N=8192, D=2048>
 
 Usage: python benchmarks/loss_kernel.py [--sizes full|small|N:D[,N:D...]] [--vocab V]
        [--no-time] [--repeats R] [--warmup W] [--dtype float32|bfloat16] [--out FILE.json]
@@ -37,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain_jax.kernels import fused_logprob_loss, lm_head, token_logprobs
+from posttrain_jax.kernels import teacher as teacher_kernels
 
 FULL = [(2048, 1024), (2048, 2048), (8192, 1024), (8192, 2048)]
 SMALL = [(256, 128), (512, 256)]
@@ -72,6 +80,22 @@ def paths():
   backend = jax.default_backend()
   if backend in ("gpu", "tpu"):
     out.append((f"pallas_{backend}", pallas(f"pallas_{backend}")))
+  return out
+
+
+def jsd_memory(n, d, v, dtype):
+  """Compiled temp / total bytes of value + (dh, dW) of sum_n JSD_0.5, materialised vs chunked."""
+  shapes = [jax.ShapeDtypeStruct(s, dtype) for s in ((n, d), (d, v), (n, d), (d, v))]
+  out = []
+  for impl in ("reference", "chunked"):
+    f = lambda h, w, ht, wt, impl=impl: jnp.sum(teacher_kernels.teacher_divergence(
+        h, w, ht, wt, kind="jsd", beta=0.5, impl=impl))
+    t0 = time.perf_counter()
+    compiled = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(*shapes).compile()
+    temp, total, _ = memory(compiled)
+    out.append(dict(n=n, d=d, v=v, path=f"jsd_{'materialised' if impl == 'reference' else impl}",
+                    temp_bytes=temp, total_bytes=total,
+                    compile_s=round(time.perf_counter() - t0, 2)))
   return out
 
 
@@ -112,7 +136,7 @@ def main(argv=None):
               chunked_block_sizes=str(lm_head.default_block_sizes("chunked")),
               loadavg_start=os.getloadavg())
   rows = []
-  header = (f"{'N':>6} {'D':>5} {'path':>13} {'temp GB':>8} {'total GB':>9} {'time s':>8} "
+  header = (f"{'N':>6} {'D':>5} {'path':>16} {'temp GB':>8} {'total GB':>9} {'time s':>8} "
             f"{'temp x':>8} {'time x':>7} {'TFLOP/s':>8}")
   print(f"# V={v} dtype={args.dtype} backend={meta['backend']} load={meta['loadavg_start']}")
   print(header)
@@ -158,7 +182,7 @@ def main(argv=None):
       if "time_s" in row:
         row["time_ratio_vs_materialised"] = row["time_s"] / base["time_s"]
       rows.append(row)
-      print(f"{n:>6} {d:>5} {row['path']:>13} {row['temp_bytes'] / 1e9:>8.3f} "
+      print(f"{n:>6} {d:>5} {row['path']:>16} {row['temp_bytes'] / 1e9:>8.3f} "
             f"{row['total_bytes'] / 1e9:>9.3f} {row.get('time_s', float('nan')):>8.2f} "
             f"{row['temp_ratio_vs_materialised']:>8.1f} "
             f"{row.get('time_ratio_vs_materialised', float('nan')):>7.2f} "
@@ -178,12 +202,21 @@ def main(argv=None):
     print(f"# headline size {HEADLINE} not run; RESULT below is for N={head_n}, D={head_d}")
   mem_ratio = mat["temp_bytes"] / fus["temp_bytes"]
   time_ratio = fus["time_s"] / mat["time_s"] if "time_s" in fus else float("nan")
+  jsd = jsd_memory(mat["n"], mat["d"], v, dtype)
+  jsd_ratio = jsd[0]["temp_bytes"] / max(jsd[1]["temp_bytes"], 1)
+  for row in jsd:
+    row["temp_ratio_vs_materialised"] = jsd[0]["temp_bytes"] / max(row["temp_bytes"], 1)
+    rows.append(row)
+    print(f"{row['n']:>6} {row['d']:>5} {row['path']:>16} {row['temp_bytes'] / 1e9:>8.3f} "
+          f"{row['total_bytes'] / 1e9:>9.3f} {'':>8} {row['temp_ratio_vs_materialised']:>8.1f}")
   if args.out:
     with open(args.out, "w") as fh:
       json.dump(dict(meta=meta, rows=rows, result=dict(
-          n=mat["n"], d=mat["d"], memory_ratio=mem_ratio, time_ratio=time_ratio)), fh, indent=1)
+          n=mat["n"], d=mat["d"], memory_ratio=mem_ratio, time_ratio=time_ratio,
+          jsd_memory_ratio=jsd_ratio)), fh, indent=1)
   print(f"# max RSS {meta['max_rss_gb']:.1f} GB, load {meta['loadavg_start']} -> {meta['loadavg_end']}")
-  print(f"RESULT memory_ratio={mem_ratio:.1f} time_ratio={time_ratio:.2f}")
+  print(f"RESULT memory_ratio={mem_ratio:.1f} time_ratio={time_ratio:.2f} "
+        f"jsd_memory_ratio={jsd_ratio:.1f}")
   return 0
 
 
