@@ -105,11 +105,14 @@ def hidden_states(graphdef, params, batch: TrainBatch) -> jax.Array:
   return h.reshape(*batch.target_ids.shape, h.shape[-1])
 
 
-def objective(params, batch: TrainBatch, *, graphdef, spec: LossSpec, loss_cfg, cfg: LearnerConfig):
-  """(loss * count, metrics): the quantity whose gradients add up across micro-batches."""
+def objective(params, batch: TrainBatch, teacher_w=None, *, graphdef, spec: LossSpec, loss_cfg,
+              cfg: LearnerConfig):
+  """(loss * count, metrics): the quantity whose gradients add up across micro-batches.
+  `teacher_w`: a head loss's teacher head (HeadInputs.teacher_w), or None."""
   if spec.head:   # the loss reads the distribution itself (losses/base.py, head losses)
     h, w, transposed = _hidden_and_head(graphdef, params, batch)
-    loss, metrics = spec.fn(HeadInputs(h, w, transposed, cfg.temperature), batch, loss_cfg)
+    loss, metrics = spec.fn(HeadInputs(h, w, transposed, cfg.temperature, teacher_w), batch,
+                            loss_cfg)
   elif cfg.fused_loss and spec.separable:
     h, w, transposed = _hidden_and_head(graphdef, params, batch)
     terms = spec.token_terms(batch, loss_cfg)
@@ -153,12 +156,12 @@ def split_micro_batches(batch: TrainBatch, m: int) -> TrainBatch:
   return dataclasses.replace(stacked, seq_valid=valid)
 
 
-def gradients(params, batch: TrainBatch, *, graphdef, spec: LossSpec, loss_cfg,
+def gradients(params, batch: TrainBatch, teacher_w=None, *, graphdef, spec: LossSpec, loss_cfg,
               cfg: LearnerConfig) -> tuple[Any, dict]:
   """Gradient of the batch loss (normalised over all micro-batches) and summed metric pairs."""
   grad_fn = jax.value_and_grad(
-      functools.partial(objective, graphdef=graphdef, spec=spec, loss_cfg=loss_cfg, cfg=cfg),
-      has_aux=True)
+      lambda p, b: objective(p, b, teacher_w, graphdef=graphdef, spec=spec, loss_cfg=loss_cfg,
+                             cfg=cfg), has_aux=True)
   if cfg.micro_batches == 1:
     (_, metrics), grads = grad_fn(params, batch)
   else:
@@ -179,10 +182,11 @@ def gradients(params, batch: TrainBatch, *, graphdef, spec: LossSpec, loss_cfg,
   return grads, metrics
 
 
-def train_step(state: TrainState, batch: TrainBatch, *, graphdef, tx: optax.GradientTransformation,
-               spec: LossSpec, loss_cfg, cfg: LearnerConfig) -> tuple[TrainState, dict]:
+def train_step(state: TrainState, batch: TrainBatch, teacher_w=None, *, graphdef,
+               tx: optax.GradientTransformation, spec: LossSpec, loss_cfg,
+               cfg: LearnerConfig) -> tuple[TrainState, dict]:
   """One optimizer update from `batch` (pure; `Learner` jits it with donated state)."""
-  grads, metrics = gradients(state.params, batch, graphdef=graphdef, spec=spec,
+  grads, metrics = gradients(state.params, batch, teacher_w, graphdef=graphdef, spec=spec,
                              loss_cfg=loss_cfg, cfg=cfg)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -297,8 +301,9 @@ class Learner:
     """The final hidden states [B, T, D] of `batch` under `params` (default: current)."""
     return self._hidden(self.state.params if params is None else params, self.put_batch(batch))
 
-  def step(self, batch: TrainBatch) -> dict[str, float]:
-    self.state, metrics = self._step(self.state, self.put_batch(batch))
+  def step(self, batch: TrainBatch, teacher_w=None) -> dict[str, float]:
+    """One update; `teacher_w`: a head loss's teacher head (an EMA teacher's), else None."""
+    self.state, metrics = self._step(self.state, self.put_batch(batch), teacher_w)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     metrics["lr"] = float(self.schedule(self.step_count - 1))
     return metrics

@@ -77,8 +77,9 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
       batch = dataclasses.replace(batch, ref_logp=np.asarray(learner.logprobs(batch, reference)))
     if "old_logp" in needs:
       batch = dataclasses.replace(batch, old_logp=np.asarray(learner.logprobs(batch)))
+    step_inputs = teacher.step_inputs(learner) if teacher is not None else {}
     for _ in range(update_epochs):
-      metrics = learner.step(batch)
+      metrics = learner.step(batch, **step_inputs)
     if teacher is not None:
       teacher.after_update(learner)
   t_train = time.perf_counter() - t1

@@ -142,12 +142,6 @@ class RunConfig:
     if self.sft.steps and self.sft.batch_size > self.sft.batch.max_seqs:
       raise ValueError(f"sft.batch_size={self.sft.batch_size} exceeds "
                        f"sft.batch.max_seqs={self.sft.batch.max_seqs}")
-    needs = get_loss(self.rl.learner.loss).needs(self.loss_config())
-    if "teacher_hidden" in needs and self.rl.teacher.weights != "student":
-      raise ValueError(f"loss {self.rl.learner.loss!r} scores the teacher's whole distribution "
-                       "with the student's own LM head, which is the teacher's only when "
-                       f"rl.teacher.weights='student' (got {self.rl.teacher.weights!r}); use "
-                       "'student', or the sampled-token loss 'sampled_distill' for an EMA teacher")
 
   def loss_config(self):
     """The RL loss's config; in async and traces mode a loss that can correct off-policy samples

@@ -301,7 +301,7 @@ class Trainer:
       # resumed one holds trained weights, so the start weights are read again
       reference = (jax.tree.map(jnp.copy, learner.state.params) if not resume
                    else nnx.to_pure_dict(nnx.state(self._load(base), nnx.Param)))
-    teacher = self._teacher(learner, resume)
+    teacher = self._teacher(learner, resume, reference, base)
     engine = self._engine_obj = self._engine(learner, base)
     source = self._source = self._rollout_source(learner, engine, base)
     if self._source_state:
@@ -340,7 +340,7 @@ class Trainer:
     hf_io.save_hf_model(learner.model(), self.workdir / "final_model", tokenizer_dir=self.model_dir)
     return self.total_steps
 
-  def _teacher(self, learner: Learner, resume: bool) -> Optional[SelfTeacher]:
+  def _teacher(self, learner: Learner, resume: bool, reference, base) -> Optional[SelfTeacher]:
     """The distillation teacher when the loss reads a teacher field (teacher.py), else None."""
     if not learner.spec.needs(self.loss_cfg) & {"teacher_logp", "teacher_mask", "teacher_hidden"}:
       return None
@@ -349,7 +349,12 @@ class Trainer:
       raise ValueError("resuming a run whose teacher is an EMA (rl.teacher.weights='ema') is not "
                        "supported yet: the EMA weights are not checkpointed; use "
                        "rl.teacher.weights='student' or start a new workdir")
-    ema = jax.tree.map(jnp.copy, learner.state.params) if cfg.weights == "ema" else None
+    ema = None
+    if cfg.weights == "frozen" and reference is not None:
+      ema = reference            # the RL start weights, re-read on resume
+    elif cfg.weights != "student":
+      ema = (jax.tree.map(jnp.copy, learner.state.params) if not resume else
+             nnx.to_pure_dict(nnx.state(self._load(base), nnx.Param)))
     return SelfTeacher(cfg, lambda msgs: encode_messages(self.tokenizer, msgs), self.cfg.rl.batch,
                        ema_params=ema)
 

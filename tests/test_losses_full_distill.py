@@ -78,8 +78,8 @@ def ref_grad_full(h, w, ht, mask, tmask, cfg):
   return g @ w.T, h.T @ g
 
 
-def _jax_loss(h, w, batch, cfg):
-  loss, metrics = get_loss("full_distill").fn(HeadInputs(h, w, False, TAU), batch, cfg)
+def _jax_loss(h, w, batch, cfg, teacher_w=None):
+  loss, metrics = get_loss("full_distill").fn(HeadInputs(h, w, False, TAU, teacher_w), batch, cfg)
   return loss, metrics
 
 
@@ -137,6 +137,25 @@ def ref_loss_teacher_fixed(h, w, ht, mask, tmask, cfg, w_teacher):
   d = _div(np.concatenate([ls_k, tail(ls_k)], 1), np.concatenate([lt_k, tail(lt_k)], 1),
            cfg.divergence, cfg.beta)
   return float(((mask * tmask).reshape(-1) * d).sum() / mask.sum())
+
+
+@pytest.mark.parametrize("topk", [None, 4])
+def test_a_teacher_with_its_own_head(topk):
+  """An EMA / frozen teacher's head: T = softmax(h_T W_T); the gradient still only the student's."""
+  cfg = FullDistillConfig(topk=topk)
+  h, w, ht, mask, tmask, batch = _inputs(6)
+  w_t = w + np.random.default_rng(7).standard_normal(w.shape) * 0.3
+  want = ref_loss_teacher_fixed(h, w, ht, mask, tmask, cfg, w_t) if topk else None
+  if topk is None:
+    ls, lt = _log_softmax(h @ w / TAU), _log_softmax(ht @ w_t / TAU)
+    want = float(((mask * tmask).reshape(-1) * _div(ls, lt, "jsd", 0.5)).sum() / mask.sum())
+  f = lambda hh, ww, wt: _jax_loss(hh, ww, batch, cfg, wt)[0]
+  loss, (gh, gw, gwt) = jax.value_and_grad(f, argnums=(0, 1, 2))(
+      *(jnp.asarray(a, jnp.float32) for a in (h, w, w_t)))
+  np.testing.assert_allclose(float(loss), want, rtol=2e-5)
+  assert not np.asarray(gwt).any()     # the teacher's head is stop-gradient
+  same = _jax_loss(jnp.asarray(h, jnp.float32), jnp.asarray(w, jnp.float32), batch, cfg)[0]
+  assert abs(float(same) - want) > 1e-3   # and it is used: not the student's head
 
 
 def test_tokens_without_a_teacher_or_outside_the_loss_mask_contribute_nothing():

@@ -157,6 +157,7 @@ def test_ema_update_and_the_ema_teacher(models):
   teacher = SelfTeacher(TeacherConfig(weights="ema", ema_rate=0.5), encode,
                         batching.BatchConfig(), ema_params=start)
   assert teacher.params(learner) is start
+  assert teacher.step_inputs(learner) == {}          # sampled_distill is not a head loss
   with pytest.raises(ValueError, match="ema_params"):
     SelfTeacher(TeacherConfig(weights="ema"), encode, batching.BatchConfig())
 

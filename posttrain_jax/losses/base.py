@@ -77,11 +77,13 @@ def _checked_fields(loss: str, names: Iterable[str]) -> frozenset[str]:
 
 class HeadInputs(NamedTuple):
   """What a head loss gets instead of log-probs: h [N, D] (rows of the batch flattened), the LM
-  head W ([D, V], or [V, D] with transposed), and the softmax temperature."""
+  head W ([D, V], or [V, D] with transposed), the softmax temperature, and the teacher's own
+  head when it has one (an EMA or frozen teacher; None: the teacher's head is W itself)."""
   h: jax.Array
   w: jax.Array
   transposed: bool
   temperature: float
+  teacher_w: Optional[jax.Array] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,10 +19,10 @@ agree). The teacher is stop-gradient. Full-distribution divergences need no impo
 for off-policy samples (the divergence at a position does not depend on which token was
 sampled there, only the positions do), so behaviour log-probs are not read.
 
-The teacher's head: W_T = stop_gradient(W), the student's own head, which is the teacher's when
-the teacher is the model itself with the current weights (TeacherConfig.weights = "student");
-an EMA or external teacher would need its own head (refused in RunConfig). teacher_hidden holds
-h_T at each student position, computed by teacher.py from the teacher sequence.
+The teacher's head: HeadInputs.teacher_w, the head of the teacher's weights (an EMA or the
+frozen start, passed to the learner's step by teacher.py), or W itself (stop-gradient) when the
+teacher is the model with the current weights. teacher_hidden holds h_T at each student
+position, computed by teacher.py from the teacher sequence under the same weights.
 
 This is a *head* loss (LossSpec.head): `fn(head, batch, cfg)` with `head` = (h [N, D], W,
 transposed, temperature) instead of per-token log-probs.
@@ -78,8 +78,9 @@ def bucket_divergence(ls: jax.Array, lt: jax.Array, kind: str, beta: float) -> j
 
 def per_token_divergence(head: HeadInputs, teacher_h: jax.Array, mask_n: jax.Array,
                          cfg: FullDistillConfig) -> jax.Array:
-  """D_n [N] (0 where mask_n is False); teacher head = stop_gradient(student head)."""
-  w_t = jax.lax.stop_gradient(head.w)
+  """D_n [N] (0 where mask_n is False); the teacher's head is head.teacher_w, or the student's
+  own (stop-gradient) when that is None."""
+  w_t = jax.lax.stop_gradient(head.w if head.teacher_w is None else head.teacher_w)
   kw = dict(temperature=head.temperature, mask=mask_n, transposed=head.transposed,
             teacher_transposed=head.transposed, impl=cfg.impl)
   if cfg.topk is None:
