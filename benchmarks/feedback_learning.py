@@ -158,7 +158,7 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--out", required=True, help="results JSON")
   ap.add_argument("--workdir", default="runs/feedback_learning")
-  ap.add_argument("--sft_steps", type=int, default=600)
+  ap.add_argument("--sft_steps", type=int, default=800)
   ap.add_argument("--steps", type=int, default=40)
   ap.add_argument("--prompts", type=int, default=32, help="single trajectories per step")
   ap.add_argument("--lr", type=float, default=1e-3)
