@@ -142,6 +142,14 @@ class RunConfig:
     if self.sft.steps and self.sft.batch_size > self.sft.batch.max_seqs:
       raise ValueError(f"sft.batch_size={self.sft.batch_size} exceeds "
                        f"sft.batch.max_seqs={self.sft.batch.max_seqs}")
+    needs = get_loss(self.rl.learner.loss).needs(self.loss_config())
+    if "teacher_logp" in needs and "teacher_mask" not in needs:
+      raise ValueError(f"loss {self.rl.learner.loss!r} reads teacher_logp but not teacher_mask: "
+                       "the self-teacher (teacher.py) scores only samples with context and leaves "
+                       "0 elsewhere, which this loss would train towards; use 'sampled_distill'")
+    if needs & {"teacher_logp", "teacher_hidden"} and self.rl.update_epochs > 1:
+      raise ValueError(f"rl.update_epochs={self.rl.update_epochs} with a distillation loss: the "
+                       "teacher scores a batch once, before its first update; use 1")
 
   def loss_config(self):
     """The RL loss's config; in async and traces mode a loss that can correct off-policy samples

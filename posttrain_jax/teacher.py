@@ -20,9 +20,9 @@ Context c (a registered `CONTEXTS` function of the trajectory, its group and its
 A trajectory without context gets teacher_mask 0 on every token: the distillation term skips
 it, and `distill/no_context_frac` counts it.
 
-Weights: "student" scores with the current parameters (before this step's update: the teacher
-is the policy that sampled, plus the context); "ema" with an exponential moving average
-θ_T ← θ_T + r (θ − θ_T) of them, updated after every step (rate r, SDPO's default 0.05),
+Weights: "student" scores with the current parameters (before this step's update: on-policy,
+the teacher is the policy that sampled, plus the context; with stale samples, the current one); "ema" with an exponential moving average
+θ_T ← θ_T + r (θ − θ_T) of them, updated after every RL step (one update each) (rate r, SDPO's default 0.05),
 starting from the RL start weights; "frozen" with the RL start weights throughout. A teacher
 that shares the current weights moves with every update, and a full-distribution loss can then
 pull student and teacher together to a degenerate agreement (measured on the hidden-rule task at

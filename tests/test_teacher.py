@@ -158,6 +158,16 @@ def test_ema_update_and_the_ema_teacher(models):
                         batching.BatchConfig(), ema_params=start)
   assert teacher.params(learner) is start
   assert teacher.step_inputs(learner) == {}          # sampled_distill is not a head loss
+  zeros = jax.tree.map(jnp.zeros_like, learner.params)
+  moving = SelfTeacher(TeacherConfig(weights="ema", ema_rate=0.25), encode, batching.BatchConfig(),
+                       ema_params=zeros)
+  moving.after_update(learner)                       # 0 + 0.25 (θ − 0)
+  for got, want in zip(jax.tree.leaves(moving.params(learner)), jax.tree.leaves(learner.params)):
+    np.testing.assert_allclose(np.asarray(got), 0.25 * np.asarray(want), rtol=1e-6)
+  frozen = SelfTeacher(TeacherConfig(weights="frozen"), encode, batching.BatchConfig(),
+                       ema_params=zeros)
+  frozen.after_update(learner)
+  assert all(not np.asarray(x).any() for x in jax.tree.leaves(frozen.params(learner)))
   with pytest.raises(ValueError, match="ema_params"):
     SelfTeacher(TeacherConfig(weights="ema"), encode, batching.BatchConfig())
 

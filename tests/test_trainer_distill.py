@@ -71,3 +71,12 @@ def test_full_distribution_distillation_runs(tmp_path, weights):
   rows = _rl_rows(tmp_path / weights)
   assert [r["step"] for r in rows] == [1, 2]
   assert all(r["distill/teacher_token_frac"] == 1.0 and r["distill/divergence"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(learner={"loss": "kl"}, loss={"against": "teacher"}), "teacher_mask"),
+    (dict(update_epochs=2), "update_epochs")])
+def test_distillation_configs_the_teacher_cannot_serve_are_refused(tmp_path, over, match):
+  from posttrain_jax.config_io import ConfigTypeError
+  with pytest.raises((ConfigTypeError, ValueError), match=match):
+    distill_run(tmp_path / "f", **over)

@@ -23,8 +23,11 @@ rl_coef = 0), and are counted (`distill/teacher_token_frac`). Â_t is the batch'
 
 Inputs: teacher_logp and teacher_mask always; behaviour_logp when is_clip is not None.
 Simplifications: only the sampled token enters (the full-distribution estimators, top-k + tail
-and JSD(β), need the hidden states of both models: kernels/teacher.py, not wired here); no
-PPO ratio clipping (a single update per batch is assumed; ρ is the only ratio).
+and JSD(β), are losses/full_distill.py); δ_t is the immediate per-token term (the per-position
+reverse KL given the prefix, not a return over later tokens); no PPO ratio clipping (one update
+per batch: RunConfig refuses update_epochs > 1; ρ is the only ratio). Tokens without a teacher
+stay in the token_mean denominator, so the distillation term's effective weight scales with
+`distill/teacher_token_frac`.
 """
 from __future__ import annotations
 

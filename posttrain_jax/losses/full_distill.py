@@ -22,7 +22,9 @@ sampled there, only the positions do), so behaviour log-probs are not read.
 The teacher's head: HeadInputs.teacher_w, the head of the teacher's weights (an EMA or the
 frozen start, passed to the learner's step by teacher.py), or W itself (stop-gradient) when the
 teacher is the model with the current weights. teacher_hidden holds h_T at each student
-position, computed by teacher.py from the teacher sequence under the same weights.
+position, computed by teacher.py from the teacher sequence under the teacher's weights (the
+ones whose head is W_T). Tokens without a teacher stay in the aggregation's denominator (the
+term's weight scales with `distill/teacher_token_frac`).
 
 This is a *head* loss (LossSpec.head): `fn(head, batch, cfg)` with `head` = (h [N, D], W,
 transposed, temperature) instead of per-token log-probs.
