@@ -205,3 +205,22 @@ def test_head_loss_through_the_learner_is_exact_over_micro_batches():
 def test_config_errors(bad, match):
   with pytest.raises((ValueError, KeyError), match=match):
     FullDistillConfig(**bad)
+
+
+@pytest.mark.parametrize("kind, want", [("forward_kl", 0.130812), ("jsd", 0.033822)])
+def test_hand_computed_case(kind, want):
+  """One token, V = 2: S = softmax(0, 0) = (1/2, 1/2), T = softmax(ln 3, 0) = (3/4, 1/4).
+  KL(T||S) = 3/4 ln(3/2) + 1/4 ln(1/2) = 0.130812; with M = (5/8, 3/8), JSD_0.5 =
+  (KL(T||M) + KL(S||M)) / 2 = (0.035375 + 0.032269) / 2 = 0.033822. The forward KL's gradient
+  w.r.t. the student logits is s - t = (-1/4, 1/4), so dW = h (s - t) = (-1/4, 1/4) at h = 1."""
+  one = np.ones((1, 1))
+  batch = np_batch(input_ids=one, target_ids=one, loss_mask=one, positions=0 * one,
+                   segment_ids=one, seq_ids=0 * one, seq_valid=np.ones(1), advantages=0 * one,
+                   teacher_mask=one, teacher_hidden=np.ones((1, 1, 1)))
+  cfg = FullDistillConfig(topk=None, divergence=kind)
+  f = lambda w: get_loss("full_distill").fn(
+      HeadInputs(jnp.ones((1, 1)), w, False, 1.0, jnp.array([[np.log(3.0), 0.0]])), batch, cfg)[0]
+  loss, gw = jax.value_and_grad(f)(jnp.zeros((1, 2)))
+  assert float(loss) == pytest.approx(want, abs=2e-6)
+  if kind == "forward_kl":
+    np.testing.assert_allclose(np.asarray(gw), [[-0.25, 0.25]], atol=1e-6)
