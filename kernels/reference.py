@@ -99,6 +99,19 @@ def topk_logprobs(h_nd, w, ht_nd, wt, *, k: int, temperature: float = 1.0, mask_
               jnp.where(m, log1m_sum_exp(t), 0.0))
 
 
+def divergence(ls, lt, kind: str, beta: float = 0.5):
+  """D over the last axis of student / teacher log-probabilities of the same buckets (the whole
+  vocabulary, or top-k + tail): forward_kl KL(T||S), reverse_kl KL(S||T), jsd JSD_beta."""
+  if kind == "forward_kl":
+    return jnp.sum(jnp.exp(lt) * (lt - ls), -1)
+  if kind == "reverse_kl":
+    return jnp.sum(jnp.exp(ls) * (ls - lt), -1)
+  if kind == "jsd":
+    lm = jnp.logaddexp(jnp.log(beta) + lt, jnp.log1p(-beta) + ls)
+    return beta * jnp.sum(jnp.exp(lt) * (lt - lm), -1) + (1 - beta) * jnp.sum(jnp.exp(ls) * (ls - lm), -1)
+  raise ValueError(f"unknown divergence kind {kind!r}; valid: 'jsd', 'forward_kl', 'reverse_kl'")
+
+
 def teacher_divergence(h_nd, w, ht_nd, wt, *, kind: str = "jsd", beta: float = 0.5,
                        temperature: float = 1.0, mask_n=None, transposed: bool = False,
                        teacher_transposed: bool = False):
@@ -107,13 +120,4 @@ def teacher_divergence(h_nd, w, ht_nd, wt, *, kind: str = "jsd", beta: float = 0
   ls = log_softmax(logits(h_nd, w, temperature=temperature, transposed=transposed))[0]
   lt = log_softmax(logits(jax.lax.stop_gradient(ht_nd), jax.lax.stop_gradient(wt),
                           temperature=temperature, transposed=teacher_transposed))[0]
-  if kind == "forward_kl":
-    d = jnp.sum(jnp.exp(lt) * (lt - ls), -1)
-  elif kind == "reverse_kl":
-    d = jnp.sum(jnp.exp(ls) * (ls - lt), -1)
-  elif kind == "jsd":
-    lm = jnp.logaddexp(jnp.log(beta) + lt, jnp.log1p(-beta) + ls)
-    d = beta * jnp.sum(jnp.exp(lt) * (lt - lm), -1) + (1 - beta) * jnp.sum(jnp.exp(ls) * (ls - lm), -1)
-  else:
-    raise ValueError(f"unknown divergence kind {kind!r}; valid: 'jsd', 'forward_kl', 'reverse_kl'")
-  return jnp.where(m, d, 0.0)
+  return jnp.where(m, divergence(ls, lt, kind, beta), 0.0)

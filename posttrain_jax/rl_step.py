@@ -23,6 +23,7 @@ from typing import Any, Optional
 import numpy as np
 
 from posttrain_jax import batching
+from posttrain_jax import teacher as teacher_lib
 from posttrain_jax.advantages import AdvantageConfig, BaselineState, compute_advantages
 from posttrain_jax.step_metrics import episode_signals
 from posttrain_jax.types import Status
@@ -64,13 +65,12 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
     if reference is not None:
       needs.add("ref_logp")
     unsupported = needs - {"old_logp", "ref_logp", "behaviour_logp"}
-    teacher_fields = {"teacher_logp", "teacher_mask", "teacher_hidden"}
     if teacher is not None:
-      unsupported -= teacher_fields
+      unsupported -= teacher_lib.FIELDS
     if unsupported:
       raise ValueError(f"loss {learner.cfg.loss!r} needs {sorted(unsupported)}, which this RL "
                        "step cannot compute (a distillation loss needs a teacher)")
-    if teacher is not None and needs & teacher_fields:
+    if teacher is not None and needs & teacher_lib.FIELDS:
       batch, teacher_metrics = teacher.fill(learner, keep, batch, {t.id: t for t in tasks},
                                             needs=needs)
     if "ref_logp" in needs:

@@ -45,6 +45,7 @@ from posttrain_jax.types import TrainBatch, Trajectory
 ContextFn = Callable[[Trajectory, Sequence[Trajectory], Any, "TeacherConfig"], Optional[str]]
 CONTEXTS: Registry[ContextFn] = Registry("teacher context")
 WEIGHTS = ("student", "ema", "frozen")
+FIELDS = frozenset({"teacher_logp", "teacher_mask", "teacher_hidden"})  # the TrainBatch fields it fills
 
 
 class AlignmentError(ValueError):
@@ -254,8 +255,6 @@ class SelfTeacher:
     shape = np.shape(batch.loss_mask)
     logp, mask, hidden = np.zeros(shape, np.float32), np.zeros(shape, np.float32), None
     want_hidden = "teacher_hidden" in needs
-    if want_hidden:
-      hidden = np.zeros((*shape, learner.model().cfg.hidden_size), np.float32)
     if teacher_trajs:
       try:
         tb = batching.build_batch(teacher_trajs, [0.0] * len(teacher_trajs), self.batch_cfg,
@@ -267,6 +266,8 @@ class SelfTeacher:
       t_logp = (np.asarray(learner.logprobs(tb, params)) if "teacher_logp" in needs else None)
       t_hidden = np.asarray(learner.hidden(tb, params)) if want_hidden else None
       logp, mask, hidden = align(batch, tb, owners, t_logp, [t.id for t in trajs], t_hidden)
+    elif want_hidden:   # nothing scored: an all-zero state beside an all-zero mask
+      hidden = np.zeros((*shape, learner.model().cfg.hidden_size), np.float32)
     n = max(len(trajs), 1)
     metrics = {"distill/no_context_frac": 1.0 - len(owners) / n,
                "distill/no_prompt_frac": no_prompt / n}

@@ -57,7 +57,7 @@ from posttrain_jax.models.tiny import build_tiny_model
 from posttrain_jax.rl_step import rl_step
 from posttrain_jax.run_config import RunConfig, run_config_from_dict
 from posttrain_jax.sharding import make_mesh
-from posttrain_jax.teacher import SelfTeacher
+from posttrain_jax.teacher import FIELDS as TEACHER_FIELDS, SelfTeacher
 
 # Config fields whose change makes a checkpoint mean something else: resuming is refused.
 _FIXED_ON_RESUME = ("seed", "model", "tasks", "sft.steps", "sft.batch_size", "sft.answer_style",
@@ -297,10 +297,7 @@ class Trainer:
                             restore_step=start if resume else None)
     reference = None  # the warm-start weights: a loss term needs them, or a KL is reported
     if "ref_logp" in learner.spec.needs(self.loss_cfg) or cfg.reference_kl:
-      # a fresh learner holds the start weights: copy them (it donates its own buffers); a
-      # resumed one holds trained weights, so the start weights are read again
-      reference = (jax.tree.map(jnp.copy, learner.state.params) if not resume
-                   else nnx.to_pure_dict(nnx.state(self._load(base), nnx.Param)))
+      reference = self._start_params(learner, resume, base)
     teacher = self._teacher(learner, resume, reference, base)
     engine = self._engine_obj = self._engine(learner, base)
     source = self._source = self._rollout_source(learner, engine, base)
@@ -340,21 +337,26 @@ class Trainer:
     hf_io.save_hf_model(learner.model(), self.workdir / "final_model", tokenizer_dir=self.model_dir)
     return self.total_steps
 
+  def _start_params(self, learner: Learner, resume: bool, base: pathlib.Path):
+    """The RL start weights: a fresh learner holds them, so they are copied (it donates its own
+    buffers); a resumed one holds trained weights, so they are read again from `base`."""
+    if not resume:
+      return jax.tree.map(jnp.copy, learner.state.params)
+    return nnx.to_pure_dict(nnx.state(self._load(base), nnx.Param))
+
   def _teacher(self, learner: Learner, resume: bool, reference, base) -> Optional[SelfTeacher]:
     """The distillation teacher when the loss reads a teacher field (teacher.py), else None."""
-    if not learner.spec.needs(self.loss_cfg) & {"teacher_logp", "teacher_mask", "teacher_hidden"}:
+    if not learner.spec.needs(self.loss_cfg) & TEACHER_FIELDS:
       return None
     cfg = self.cfg.rl.teacher
     if cfg.weights == "ema" and resume:
       raise ValueError("resuming a run whose teacher is an EMA (rl.teacher.weights='ema') is not "
                        "supported yet: the EMA weights are not checkpointed; use "
                        "rl.teacher.weights='student' or start a new workdir")
-    ema = None
-    if cfg.weights == "frozen" and reference is not None:
-      ema = reference            # the RL start weights, re-read on resume
-    elif cfg.weights != "student":
-      ema = (jax.tree.map(jnp.copy, learner.state.params) if not resume else
-             nnx.to_pure_dict(nnx.state(self._load(base), nnx.Param)))
+    ema = None           # the RL start weights (the reference's, when there is one)
+    if cfg.weights != "student":
+      ema = (reference if cfg.weights == "frozen" and reference is not None
+             else self._start_params(learner, resume, base))
     return SelfTeacher(cfg, lambda msgs: encode_messages(self.tokenizer, msgs), self.cfg.rl.batch,
                        ema_params=ema)
 

@@ -37,6 +37,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from posttrain_jax.kernels import reference as kernel_ref
 from posttrain_jax.kernels import teacher as teacher_kernels
 from posttrain_jax.losses import aggregation as agg
 from posttrain_jax.losses.base import HeadInputs, register_loss, weighted
@@ -67,17 +68,6 @@ class FullDistillConfig:
     agg.validate_aggregation(self.aggregation, self.max_len)
 
 
-def bucket_divergence(ls: jax.Array, lt: jax.Array, kind: str, beta: float) -> jax.Array:
-  """D over the last axis of log-probabilities ls (student), lt (teacher) of the same buckets."""
-  if kind == "forward_kl":
-    return jnp.sum(jnp.exp(lt) * (lt - ls), -1)
-  if kind == "reverse_kl":
-    return jnp.sum(jnp.exp(ls) * (ls - lt), -1)
-  lm = jnp.logaddexp(jnp.log(beta) + lt, jnp.log1p(-beta) + ls)
-  return (beta * jnp.sum(jnp.exp(lt) * (lt - lm), -1)
-          + (1.0 - beta) * jnp.sum(jnp.exp(ls) * (ls - lm), -1))
-
-
 def per_token_divergence(head: HeadInputs, teacher_h: jax.Array, mask_n: jax.Array,
                          cfg: FullDistillConfig) -> jax.Array:
   """D_n [N] (0 where mask_n is False); the teacher's head is head.teacher_w, or the student's
@@ -92,8 +82,8 @@ def per_token_divergence(head: HeadInputs, teacher_h: jax.Array, mask_n: jax.Arr
   out = teacher_kernels.topk_logprobs(head.h, head.w, teacher_h, w_t, k=min(cfg.topk, vocab), **kw)
   ls = jnp.concatenate([out.student_logp_nk, out.student_tail_n[:, None]], axis=1)
   lt = jnp.concatenate([out.teacher_logp_nk, out.teacher_tail_n[:, None]], axis=1)
-  return jnp.where(mask_n, bucket_divergence(ls, jax.lax.stop_gradient(lt), cfg.divergence,
-                                             cfg.beta), 0.0)
+  return jnp.where(mask_n, kernel_ref.divergence(ls, jax.lax.stop_gradient(lt), cfg.divergence,
+                                                 cfg.beta), 0.0)
 
 
 @register_loss("full_distill", FullDistillConfig, inputs=("teacher_hidden", "teacher_mask"),
