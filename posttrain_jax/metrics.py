@@ -2,7 +2,10 @@
 
 Only process 0 writes. The JSONL file is appended and flushed every step, so a killed run
 keeps every step it finished; on resume, lines past the restored step are dropped first so
-the file never holds a step twice.
+the file never holds a step twice (the kept lines are written beside the file and renamed over
+it, so a kill during that rewrite leaves the old file whole). A last line cut by a kill
+mid-write (no newline, not JSON) is the step that was being written: it is dropped with a
+warning, and any other line that is not a JSON object is an error naming its line.
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import pathlib
 from typing import Iterable, Optional
 
 import jax
+
+from posttrain_jax.errors import UserError
 
 
 class MetricsWriter:
@@ -26,7 +31,9 @@ class MetricsWriter:
     self.workdir.mkdir(parents=True, exist_ok=True)
     if self.path.exists():
       keep = [r for r in read_metrics(self.path) if resume_step is not None and r["step"] <= resume_step]
-      self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+      tmp = self.path.with_name(self.path.name + ".tmp")
+      tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+      tmp.replace(self.path)
     self._file = open(self.path, "a")
     if tensorboard:
       from tensorboardX import SummaryWriter
@@ -57,11 +64,32 @@ def _finite(v):
   return v
 
 
+class MetricsFileError(UserError, ValueError):
+  """A metrics.jsonl line that is not a step's row, with the file and line named."""
+
+
 def read_metrics(path: str | pathlib.Path) -> list[dict]:
+  """The rows of a metrics.jsonl; a torn last line (a kill mid-write) is dropped with a warning."""
+  path = pathlib.Path(path)
+  text = path.read_text()
+  lines = text.splitlines()
   rows = []
-  for line in pathlib.Path(path).read_text().splitlines():
-    if line.strip():
-      rows.append(json.loads(line))
+  for lineno, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError as e:
+      if lineno == len(lines) and not text.endswith("\n"):
+        from absl import logging
+        logging.warning("%s:%d: dropped a torn last line (%d bytes; the run was killed while "
+                        "writing it)", path, lineno, len(line))
+        break
+      raise MetricsFileError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+      raise MetricsFileError(f"{path}:{lineno}: not a metrics row (a JSON object with an "
+                             "integer \"step\")")
+    rows.append(row)
   return rows
 
 

@@ -1,0 +1,45 @@
+"""metrics.jsonl survives a kill: a torn last line is dropped on the next resume, any other bad
+line is an error naming it, and the resume's rewrite of the file is atomic."""
+import json
+
+import pytest
+
+from posttrain_jax.metrics import MetricsFileError, MetricsWriter, read_metrics
+from posttrain_jax.trainer import Trainer
+from tests.test_trainer_resume import QUIET, running_run
+
+
+def test_a_torn_last_line_is_dropped_and_other_bad_lines_are_errors(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "lo')
+  assert read_metrics(path) == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4}]
+  path.write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')   # not the last line
+  with pytest.raises(MetricsFileError, match=r"metrics.jsonl:2: not valid JSON"):
+    read_metrics(path)
+  path.write_text('{"step": 1}\n{"step": 2, "lo\n')                # ends in a newline: not torn
+  with pytest.raises(MetricsFileError, match=r"metrics.jsonl:2: not valid JSON"):
+    read_metrics(path)
+  path.write_text('{"step": 1}\n[2]\n')
+  with pytest.raises(MetricsFileError, match=r"metrics.jsonl:2: not a metrics row"):
+    read_metrics(path)
+
+
+def test_resume_writer_keeps_steps_up_to_the_checkpoint_and_leaves_no_temp_file(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)) + '{"step": 6,')
+  w = MetricsWriter(tmp_path, tensorboard=False, resume_step=3)
+  w.write(4, {"loss": 1.0})
+  w.close()
+  assert read_metrics(path) == [{"step": 1}, {"step": 2}, {"step": 3}, {"step": 4, "loss": 1.0}]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_a_run_killed_mid_line_resumes(tmp_path):
+  """Stop at step 3, then tear a half-written step-4 line onto metrics.jsonl (what kill -9 during
+  the write leaves): the resumed run finishes and logs every step once."""
+  assert Trainer(running_run(tmp_path, stop_after_step=3), **QUIET).run() is None
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 4, "reward/mean": 0.')
+  assert Trainer(running_run(tmp_path), **QUIET).run() is not None
+  steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "reward/mean" in r]
+  assert steps == [1, 2, 3, 4, 5, 6]
