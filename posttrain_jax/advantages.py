@@ -26,6 +26,13 @@ Rules (ARCHITECTURE.md, REFERENCES.md "failure semantics"):
   advantage is NaN, so a batch builder that forgot to drop them fails loudly.
 - `timeout` and `truncated` trajectories are ordinary members with the grader's reward (0 for
   a timeout): dropping them would reward running out the clock on hard problems.
+- An *ungraded* trajectory (reward None, not an infra error: a recorded session with free-text
+  feedback but no grade) raises unless the caller allows it (`allow_ungraded`, for losses that
+  learn from the feedback: distillation). Allowed, it is kept and trained, but it has no reward
+  signal: A = 0 exactly, it is left out of every statistic (group means, stds, sizes, zero-
+  variance counts, the running baseline, which it never updates), and it is counted
+  (`ungraded`, `ungraded_frac` of the episodes). So a mixed loss (distillation + rl_coef·Â)
+  gives it only its distillation term.
 Simplifications: rewards are scalars per trajectory (a per-token advantage is the batch
 builder's broadcast); no whitening across groups; no reward clipping.
 """
@@ -166,10 +173,15 @@ class AdvantageResult:
 
 
 def compute_advantages(trajectories: Sequence[Trajectory], cfg: AdvantageConfig = AdvantageConfig(),
-                       state: Optional[BaselineState] = None) -> AdvantageResult:
+                       state: Optional[BaselineState] = None, *,
+                       allow_ungraded: bool = False) -> AdvantageResult:
   """Advantages for a list of trajectories (groups identified by `group_id`).
 
-  stats: num_trajectories, infra_excluded, infra_error_frac, num_groups (groups with at least
+  `allow_ungraded`: a trajectory with reward None that is not an infra error gets A = 0 and
+  stays out of every statistic (module docstring) instead of raising.
+
+  stats: num_trajectories, infra_excluded, infra_error_frac, ungraded (episodes without a
+  reward, infra errors apart), ungraded_frac (of the episodes), num_groups (groups with at least
   one counted member), zero_var_groups, zero_var_group_frac (of num_groups; 0 when there are
   none), group_size_min / _mean / _max, and for "running" unseen_tasks.
   """
@@ -181,34 +193,41 @@ def compute_advantages(trajectories: Sequence[Trajectory], cfg: AdvantageConfig 
   # statistics over its first sample, its other samples share that sample's advantage
   heads = np.array([t.metrics.get("sample_index", 0) == 0 for t in every_kept], bool)
   kept = [t for t, h in zip(every_kept, heads) if h]
-  if spec.kind != "none":
-    for t in kept:
-      if t.reward is None:
-        raise ValueError(f"trajectory {t.id!r} (status {t.status.value}) has no reward; "
-                         f"estimator {cfg.estimator!r} needs one (grade it or mark it infra_error)")
+  ungraded = [t for t in kept if t.reward is None]
+  if ungraded and spec.kind != "none" and not allow_ungraded:
+    t = ungraded[0]
+    raise ValueError(f"trajectory {t.id!r} (status {t.status.value}) has no reward; "
+                     f"estimator {cfg.estimator!r} needs one (grade it or mark it infra_error)")
+  graded = [t for t in kept if t.reward is not None]
   excluded = n - len(every_kept)
+  episodes = sum(t.metrics.get("sample_index", 0) == 0 for t in trajectories)
   stats: dict[str, float] = {"num_trajectories": float(n), "infra_excluded": float(excluded),
-                             "infra_error_frac": excluded / n if n else 0.0}
+                             "infra_error_frac": excluded / n if n else 0.0,
+                             "ungraded": float(len(ungraded)),
+                             "ungraded_frac": len(ungraded) / episodes if episodes else 0.0}
   advantages = np.full(n, np.nan, np.float32)
   group_sizes: dict[str, int] = {}
   new_state = None
+  is_graded = np.array([t.reward is not None for t in kept], bool)
 
   if spec.kind == "group":
     missing = [t.id for t in kept if t.group_id is None]
     if missing:
       raise ValueError(f"estimator {cfg.estimator!r} needs group_id on every trajectory; "
                        f"{missing[:5]} have none (use 'running' or 'none' for single trajectories)")
-    group_names = sorted({t.group_id for t in kept})
+    group_names = sorted({t.group_id for t in graded})
     index = {g: i for i, g in enumerate(group_names)}
-    if kept:
-      rewards = np.array([t.reward for t in kept], np.float64)
-      idx = np.array([index[t.group_id] for t in kept], np.int32)
-      adv, zero_var_g = spec.group_fn(rewards, idx, np.ones(len(kept), bool), len(group_names),
+    adv_heads = np.zeros(len(kept), np.float32)           # ungraded heads keep A = 0
+    if graded:
+      rewards = np.array([t.reward for t in graded], np.float64)
+      idx = np.array([index[t.group_id] for t in graded], np.int32)
+      adv, zero_var_g = spec.group_fn(rewards, idx, np.ones(len(graded), bool), len(group_names),
                                       std_ddof=cfg.std_ddof, eps=cfg.eps)
-      advantages[keep] = _spread(every_kept, heads, adv)
+      adv_heads[is_graded] = adv
       sizes = np.bincount(idx, minlength=len(group_names))
     else:
       zero_var_g, sizes = np.zeros(0, bool), np.zeros(0, int)
+    advantages[keep] = _spread(every_kept, heads, adv_heads)
     group_sizes = {g: int(s) for g, s in zip(group_names, sizes)}
     stats.update(num_groups=float(len(group_names)), zero_var_groups=float(zero_var_g.sum()),
                  zero_var_group_frac=float(zero_var_g.mean()) if len(group_names) else 0.0,
@@ -217,9 +236,11 @@ def compute_advantages(trajectories: Sequence[Trajectory], cfg: AdvantageConfig 
                  group_size_max=float(sizes.max()) if len(sizes) else 0.0)
   elif spec.kind == "running":
     adv, new_state, unseen = running_baseline_advantages(
-        [t.reward for t in kept], [t.task_id for t in kept], state or BaselineState(),
+        [t.reward for t in graded], [t.task_id for t in graded], state or BaselineState(),
         cfg.baseline_rate)
-    advantages[keep] = _spread(every_kept, heads, adv)
+    adv_heads = np.zeros(len(kept), np.float32)           # ungraded heads keep A = 0
+    adv_heads[is_graded] = adv
+    advantages[keep] = _spread(every_kept, heads, adv_heads)
     stats["unseen_tasks"] = float(unseen)
   else:
     advantages[keep] = 0.0

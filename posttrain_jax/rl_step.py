@@ -2,7 +2,11 @@
 
     source.update_weights(params, version)        weights of version v to the rollout engine
     tasks, trajs = source.collect(step)           graded groups (sync: fresh; async: from the queue)
-    adv = advantages(trajs, baseline state)       infra errors excluded; running baseline updated
+    adv = advantages(trajs, baseline state)       infra errors excluded; running baseline updated;
+                                                  with a distillation loss an ungraded sample
+                                                  (reward None: feedback, no grade) is trained
+                                                  with A = 0, out of the baselines, counted
+                                                  (filter/ungraded_frac: out of the RL term)
     batch = pack(kept trajectories, adv)
     fill exactly the log-prob fields the loss declares it needs (LossSpec.needs), plus
         old_logp when update_epochs > 1 (the PPO ratio's denominator across epochs) and
@@ -50,14 +54,15 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
   t_sync = time.perf_counter() - t0
   tasks, trajs = source.collect(step)
   t_gen = time.perf_counter() - t0
-  adv = compute_advantages(trajs, advantage, baseline)
+  needs = set(learner.spec.needs(learner.loss_cfg))
+  adv = compute_advantages(trajs, advantage, baseline,
+                           allow_ungraded=bool(needs & teacher_lib.FIELDS))
   keep = [t for t, k in zip(trajs, adv.keep) if k]
   metrics: dict[str, float] = {}
   teacher_metrics: dict[str, float] = {}
   t1 = time.perf_counter()
   if keep:
     batch = batching.build_batch(keep, adv.advantages[adv.keep].tolist(), batch_cfg)
-    needs = set(learner.spec.needs(learner.loss_cfg))
     if update_epochs > 1:
       needs.add("old_logp")
     if "ref_logp" in needs and reference is None:
@@ -98,6 +103,7 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
   metrics.update(teacher_metrics)
   metrics.update(episode_signals(trajs))
   metrics["filter/zero_var_group_frac"] = metrics["zero_var_group_frac"]
+  metrics["filter/ungraded_frac"] = adv.stats["ungraded_frac"]
   if adv.state is not None:
     metrics["baseline/global_mean"] = (adv.state.global_mean if adv.state.global_mean is not None
                                        else float("nan"))

@@ -147,7 +147,20 @@ class RunConfig:
       raise ValueError(f"loss {self.rl.learner.loss!r} reads teacher_logp but not teacher_mask: "
                        "the self-teacher (teacher.py) scores only samples with context and leaves "
                        "0 elsewhere, which this loss would train towards; use 'sampled_distill'")
-    if needs & {"teacher_logp", "teacher_hidden"} and self.rl.update_epochs > 1:
+    distills = bool(needs & {"teacher_logp", "teacher_hidden"})
+    require = self.rl.traces.require
+    if self.rl.mode == "traces" and require != "grade":
+      if not distills:
+        raise ValueError(f"rl.traces.require={require!r} takes sessions without a grade, whose "
+                         f"samples have no reward; loss {self.rl.learner.loss!r} learns only from "
+                         "rewards and would train them on advantage 0: use a distillation loss "
+                         "('sampled_distill', 'full_distill') or rl.traces.require='grade'")
+      if self.rl.teacher.context in ("reference", "sibling"):
+        raise ValueError(f"rl.traces.require={require!r} with rl.teacher.context="
+                         f"{self.rl.teacher.context!r}: a recorded session has no reference "
+                         "solution and no siblings, so this teacher would score none of the "
+                         "sessions taken for their feedback; use context 'feedback' or 'sdpo'")
+    if distills and self.rl.update_epochs > 1:
       raise ValueError(f"rl.update_epochs={self.rl.update_epochs} with a distillation loss: the "
                        "teacher scores a batch once, before its first update; use 1")
 

@@ -1,4 +1,4 @@
-"""Learning from recorded traces: a rollout source that reads graded sessions from the store.
+"""Learning from recorded traces: a rollout source that reads graded (or commented) sessions.
 
 `rl.mode = "traces"` trains on what a harness already did through the proxy: sessions that can
 never be replayed, so there is no group to compare with. Each step takes up to
@@ -10,10 +10,18 @@ the recorded behaviour log-probs, which may be many versions old. How old is rep
 `traces/staleness/{mean,p50,max}` over sampled tokens (current version − the version that
 sampled the token).
 
-A session is taken once its grade exists and its last call is `settle_s` old (online, a running
-session may still grow). A step waits up to `wait_s` for `prompts_per_step` ready sessions and
-then trains on those there are; with none, it trains on nothing (rl_step leaves the weights
-untouched on an empty batch). With `max_staleness` ≥ 0, a session whose oldest sampled token is
+A session is taken once it has what `require` asks for and its last call is `settle_s` old
+(online, a running session may still grow): "grade" a session-level grade; "feedback" any
+free-text feedback (session- or call-level; for a distillation loss, whose teacher reads it);
+"either" one of the two. A session with text but no grade is *ungraded*: its samples have reward
+None, which advantages.py gives A = 0 and leaves out of every baseline (RunConfig allows
+`require` other than "grade" only with a distillation loss); it is counted per step as
+`traces/ungraded`. A session is taken once: a grade posted after its text made it ready is
+not seen (a `settle_s` longer than the grading delay waits for it).
+
+A step waits up to `wait_s` for `prompts_per_step` ready sessions and then trains on those
+there are; with none, it trains on nothing (rl_step leaves the weights untouched on an empty
+batch). With `max_staleness` ≥ 0, a session whose oldest sampled token is
 more than that many versions old is taken but not trained, and the share of such sessions is
 logged per step as `filter/stale_session_frac` (the audit watches every filter's share). The
 sessions taken are part of the checkpoint (`state()`), so a resumed run never trains on a
@@ -35,6 +43,9 @@ from posttrain_jax.envs.task import Task
 from posttrain_jax.types import Trajectory
 
 
+REQUIRE = ("grade", "feedback", "either")
+
+
 @dataclasses.dataclass(frozen=True)
 class TraceSourceConfig:
   """Which recorded sessions a run trains on, and how long it waits for them."""
@@ -48,8 +59,13 @@ class TraceSourceConfig:
                                         # taken but not trained (counted: filter/stale_session_frac);
                                         # -1 = train on every session however old
   online: OnlineConfig = OnlineConfig()  # serve the run's policy while training (online.py)
+  require: str = "grade"                # which sessions are ready: "grade" (a session grade),
+                                        # "feedback" (any free text), "either"; sessions without
+                                        # a grade train with advantage 0 (a distillation loss)
 
   def __post_init__(self):
+    if self.require not in REQUIRE:
+      raise ValueError(f"TraceSourceConfig.require is {self.require!r}; valid: {REQUIRE}")
     for name in ("settle_s", "wait_s", "poll_s"):
       if getattr(self, name) < 0:
         raise ValueError(f"TraceSourceConfig.{name} must be ≥ 0, got {getattr(self, name)}")
@@ -84,21 +100,28 @@ class TraceRollouts:
         params = jax.tree.map(jnp.copy, params)
       self.engine.update_weights(params, version)
 
+  def _counts(self, fb) -> bool:
+    """Whether feedback row `fb` makes its session ready under `require`."""
+    grade = fb.call_id is None and fb.grade is not None
+    text = bool(fb.text)
+    return {"grade": grade, "feedback": text, "either": grade or text}[self.cfg.require]
+
   def _ready(self) -> list[tuple[float, str, str]]:
-    """(grade time, tenant, session) of graded, settled sessions not taken yet, oldest first."""
+    """(time, tenant, session) of ready (`require`), settled sessions not taken yet, oldest
+    first; time = that of the latest feedback row that counts."""
     tenants = [self.cfg.tenant] if self.cfg.tenant else self.store.tenants()
     now, out = self._clock(), []
     for tenant in tenants:
-      graded: dict[str, float] = {}
+      ready: dict[str, float] = {}
       for fb in self.store.feedback(tenant):
-        if fb.call_id is None and fb.grade is not None:
-          graded[fb.session] = fb.created          # the latest grade's time
+        if self._counts(fb):
+          ready[fb.session] = fb.created           # the latest such row's time
       for s in self.store.sessions(tenant):
         key = (tenant, s["id"])
-        if key in self._taken or s["id"] not in graded:
+        if key in self._taken or s["id"] not in ready:
           continue
         if now - s["last_call"] >= self.cfg.settle_s:
-          out.append((graded[s["id"]], tenant, s["id"]))
+          out.append((ready[s["id"]], tenant, s["id"]))
     return sorted(out)
 
   def collect(self, step: int) -> tuple[list[Task], list[Trajectory]]:
@@ -123,6 +146,7 @@ class TraceRollouts:
       used += 1
       counts.update(stats)
       counts["sessions"] += 1
+      counts["ungraded"] += int(session_grade(feedback) is None)
       if not samples:
         counts["sessions_without_samples"] += 1
         continue
