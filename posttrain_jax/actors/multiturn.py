@@ -23,7 +23,9 @@ Tool errors (malformed calls included) are the policy's: counted per cause and c
 environment's reward.
 
 Each trajectory is one training sample (an episode whose template broke the prefix has several,
-`metrics["sample_index"]` 0, 1, …; baselines count the episode once).
+`metrics["sample_index"]` 0, 1, …; baselines count the episode once). The environment's free
+text on the episode (`EnvStep.info["feedback"]` of any step, oldest first, joined by newlines)
+is every sample's `feedback`, which a self-distillation teacher reads (teacher.py).
 """
 from __future__ import annotations
 
@@ -87,6 +89,7 @@ class _Run:
   error: str = ""
   engine_s: float = 0.0
   env_s: float = 0.0
+  feedback: list[str] = dataclasses.field(default_factory=list)  # the env's texts, oldest first
 
   def end(self, status: Status, reward: Optional[float], why: str, error: str = "") -> None:
     self.status, self.reward, self.ended_by, self.error = status, reward, why, error
@@ -246,6 +249,8 @@ class EnvEpisode:
       r.env_s += time.perf_counter() - t
     r.chat += step.messages
     r.messages += step.messages
+    if isinstance(step.info.get("feedback"), str) and step.info["feedback"]:
+      r.feedback.append(step.info["feedback"])
     calls = getattr(r.env, "counts", {}).get("tool_calls", 0)
     if step.done:
       r.end(Status.OK, step.reward, step.info.get("ended_by", "done"))
@@ -298,8 +303,9 @@ class EnvEpisode:
           token_ids=list(s.token_ids), loss_mask=list(mask),
           behaviour_logprobs=list(s.logprobs), policy_version=list(s.versions),
           messages=r.messages if k == len(samples) - 1 else [], reward=r.reward,
-          status=r.status, metrics={**metrics, "sample_index": k, "samples": len(samples),
-                                    "episode_id": f"{r.item.group_id}/{r.index}"}))
+          status=r.status, feedback="\n".join(r.feedback) or None,
+          metrics={**metrics, "sample_index": k, "samples": len(samples),
+                   "episode_id": f"{r.item.group_id}/{r.index}"}))
     return out
 
 

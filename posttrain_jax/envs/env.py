@@ -10,7 +10,11 @@ An environment is a small async state machine over a chat:
 `turn` is the sampled assistant text already split by the family's tool-call format
 (`ParsedTurn`: content, well-formed calls, malformed calls). `EnvStep.messages` are the
 messages the environment appends in OpenAI chat format (`{"role": "tool", "tool_call_id",
-"content"}` for results, `{"role": "user", ...}` for follow-ups); `reward` is set when `done`.
+"content"}` for results, `{"role": "user", ...}` for follow-ups); `reward` is set when `done`;
+`info["feedback"]`, a free text on the attempt (never shown to the policy), goes into every
+sample of the episode (Trajectory.feedback, read by a self-distillation teacher). A ToolEnv's
+`grade` may return a GradeResult (envs/graders.py) instead of a float: its info["feedback"]
+becomes the final step's.
 `tools` are declared in the OpenAI tools format and shown to the model by the chat template.
 
 Whose failure is it (ARCHITECTURE.md, status semantics):
@@ -32,8 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Awaitable, Callable, Optional, Sequence
+from typing import Any, Awaitable, Callable, Optional, Sequence, Union
 
+from posttrain_jax.envs.graders import GradeResult
 from posttrain_jax.envs.task import Task
 from posttrain_jax.envs.tool_calls import ParsedTurn, ToolCall
 from posttrain_jax.registry import Registry
@@ -147,8 +152,9 @@ class ToolEnv(Environment):
     """The first messages of the episode (state set up from `task` / `seed`)."""
     raise NotImplementedError
 
-  async def grade(self, turn: ParsedTurn) -> float:
-    """The reward in [0, 1] for a final answer (a turn without tool calls)."""
+  async def grade(self, turn: ParsedTurn) -> Union[float, GradeResult]:
+    """The reward in [0, 1] for a final answer (a turn without tool calls), or a GradeResult
+    whose info["feedback"] (a str) is the episode's feedback."""
     raise NotImplementedError
 
   # -- protocol -----------------------------------------------------------------------------
@@ -171,11 +177,12 @@ class ToolEnv(Environment):
       out.append({"role": "tool", "tool_call_id": call.id, "content": await self._call(call)})
     if out:
       return EnvStep(out)
-    reward = await self.grade(turn)
-    return EnvStep([], done=True, reward=self.final_reward(reward))
+    reward, feedback = _graded(await self.grade(turn))
+    return EnvStep([], done=True, reward=self.final_reward(reward),
+                   info={"feedback": feedback} if feedback else {})
 
   async def score_truncated(self, turn: ParsedTurn) -> float:
-    return self.final_reward(await self.grade(turn))
+    return self.final_reward(_graded(await self.grade(turn))[0])
 
   def final_reward(self, reward: float) -> float:
     c = self.counts
@@ -197,6 +204,14 @@ class ToolEnv(Environment):
       return f"error: {e}"
     n = self.tool_cfg.max_result_chars
     return result if len(result) <= n else result[:n] + f"\n[... {len(result) - n} chars cut]"
+
+
+def _graded(result: Union[float, GradeResult]) -> tuple[float, Optional[str]]:
+  """(reward, feedback text or None) of what `ToolEnv.grade` returned."""
+  if isinstance(result, GradeResult):
+    feedback = result.info.get("feedback")
+    return float(result.reward), feedback if isinstance(feedback, str) else None
+  return float(result), None
 
 
 def _check_arguments(spec: ToolSpec, args: dict[str, Any]) -> None:
