@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import sqlite3
 import threading
@@ -34,6 +35,8 @@ import time
 from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
+
+from posttrain_jax.byoh import json_text
 
 SCHEMA_VERSION = 1
 CALL_STATUSES = ("complete", "incomplete", "error")
@@ -319,9 +322,11 @@ class TraceStore:
 
   def import_jsonl(self, path: str) -> tuple[int, list[str]]:
     """Reads an export: every valid record is stored, in one transaction; returns (stored,
-    errors), each error naming its line and field. Records already present are skipped."""
+    errors), each error naming its line and field. Records already present are skipped.
+    Lines are split at "\\n" only (the numbering of `sed -n` and editors), read as bytes, so
+    a line that is not UTF-8 is one error, not the end of the import."""
     records, errors = [], []
-    with open(path) as f:
+    with open(path, "rb") as f:
       for lineno, line in enumerate(f, 1):
         if not line.strip():
           continue
@@ -365,65 +370,145 @@ class TraceStore:
 _CALL_FIELDS = {f.name: f for f in dataclasses.fields(CallRecord)}
 _FEEDBACK_FIELDS = {f.name for f in dataclasses.fields(Feedback)}
 _CHOICE_FIELDS = {f.name for f in dataclasses.fields(Choice)}
+_KINDS = ("chat", "completion")
+_INT32 = 1 << 31                  # prompt ids are stored as int32
+_INT64 = 1 << 63                  # SQLite INTEGER
 
 
-def _check_ids(value: Any, field: str, kind: tuple = (int,), what: str = "integers") -> None:
-  if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool)
-                                            for v in value):
-    raise StoreError(f"field {field!r} must be a list of {what}")
+def _is_int(v: Any) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _parse_record(line: str) -> tuple[str, dict]:
-  """One exported line, validated (StoreError names the field)."""
-  try:
-    r = json.loads(line)
-  except json.JSONDecodeError as e:
-    raise StoreError(f"not JSON ({e.msg} at column {e.colno})") from None
-  if not isinstance(r, dict):
-    raise StoreError("a record must be a JSON object")
-  if r.get("schema_version") != SCHEMA_VERSION:
-    raise StoreError(f"field 'schema_version' is {r.get('schema_version')!r}; this code reads "
-                     f"{SCHEMA_VERSION}")
-  kind = r.get("type")
-  if kind == "feedback":
-    missing = _FEEDBACK_FIELDS - set(r)
-    if missing:
-      raise StoreError(f"feedback record lacks field {sorted(missing)[0]!r}")
-    for k in ("id", "tenant", "session", "source"):
-      if not isinstance(r[k], str) or not r[k]:
-        raise StoreError(f"field {k!r} must be a non-empty string")
-    if r["grade"] is not None and (isinstance(r["grade"], bool) or
-                                   not isinstance(r["grade"], (int, float))):
-      raise StoreError("field 'grade' must be a number or null")
-    return kind, r
-  if kind != "call":
-    raise StoreError(f"field 'type' is {kind!r}; valid: 'call', 'feedback'")
+def _check_ids(value: Any, field: str) -> None:
+  if not isinstance(value, list) or not all(_is_int(v) and 0 <= v < _INT32 for v in value):
+    raise StoreError(f"field {field!r} must be a list of token ids (integers in [0, 2**31))")
+
+
+def _check_logprobs(value: Any, field: str) -> None:
+  if not isinstance(value, list) or not all(
+      isinstance(v, (int, float)) and not isinstance(v, bool) and v == v for v in value):
+    raise StoreError(f"field {field!r} must be a list of numbers")
+
+
+def _check_str(r: dict, k: str, *, empty: bool = False, null: bool = False) -> None:
+  v = r[k]
+  if v is None and null:
+    return
+  if not isinstance(v, str) or (not empty and not v):
+    what = "a string" if empty else "a non-empty string"
+    raise StoreError(f"field {k!r} must be {what}" + (" or null" if null else ""))
+
+
+def _check_number(r: dict, k: str, *, null: bool = False) -> None:
+  """A finite number (SQLite stores NaN as NULL: a NaN time would be a NULL one)."""
+  v = r[k]
+  if v is None and null:
+    return
+  ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+  if ok and _is_int(v):
+    ok = -_INT64 <= v < _INT64
+  if not ok or not math.isfinite(v):
+    raise StoreError(f"field {k!r} must be a finite number" + (" or null" if null else ""))
+
+
+def _check_type(r: dict, k: str, kind: type, what: str, *, null: bool = False) -> None:
+  if not (isinstance(r[k], kind) or (null and r[k] is None)):
+    raise StoreError(f"field {k!r} must be {what}" + (" or null" if null else ""))
+
+
+def _parse_feedback(r: dict) -> dict:
+  missing = _FEEDBACK_FIELDS - set(r)
+  if missing:
+    raise StoreError(f"feedback record lacks field {sorted(missing)[0]!r}")
+  for k in ("id", "tenant", "session", "source"):
+    _check_str(r, k)
+  _check_str(r, "call_id", null=True)
+  _check_number(r, "created")
+  if r["grade"] is not None:
+    try:
+      _check_number(r, "grade")
+    except StoreError:
+      raise StoreError("field 'grade' must be a number or null") from None
+  rubric = r["rubric"]
+  if rubric is not None and not (isinstance(rubric, dict) and all(
+      isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+      for v in rubric.values())):
+    raise StoreError("field 'rubric' must be an object of criterion -> finite number, or null")
+  _check_str(r, "text", empty=True, null=True)
+  return r
+
+
+def _parse_choice(c: Any, i: int) -> None:
+  f = f"choices[{i}]"
+  if not isinstance(c, dict) or set(c) != _CHOICE_FIELDS:
+    raise StoreError(f"field {f!r} must be an object with {sorted(_CHOICE_FIELDS)}")
+  for k in ("index", "version"):
+    if not _is_int(c[k]) or not 0 <= c[k] < _INT64:
+      raise StoreError(f"field '{f}.{k}' must be a non-negative integer")
+  _check_ids(c["token_ids"], f"{f}.token_ids")
+  _check_logprobs(c["logprobs"], f"{f}.logprobs")
+  if len(c["token_ids"]) != len(c["logprobs"]):
+    raise StoreError(f"field {f!r}: {len(c['token_ids'])} ids but "
+                     f"{len(c['logprobs'])} log-probs")
+  for k in ("finish_reason", "text"):
+    if not isinstance(c[k], str):
+      raise StoreError(f"field '{f}.{k}' must be a string")
+  if c["message"] is not None and not isinstance(c["message"], dict):
+    raise StoreError(f"field '{f}.message' must be an object or null")
+
+
+def _parse_call(r: dict) -> dict:
   missing = set(_CALL_FIELDS) - set(r)
   if missing:
     raise StoreError(f"call record lacks field {sorted(missing)[0]!r}")
-  for k in ("id", "tenant", "session", "kind", "prompt_text"):
-    if not isinstance(r[k], str) or (k != "prompt_text" and not r[k]):
-      raise StoreError(f"field {k!r} must be a non-empty string")
-  if not isinstance(r["created"], (int, float)) or isinstance(r["created"], bool):
-    raise StoreError("field 'created' must be a number")
-  if not isinstance(r["request"], dict):
-    raise StoreError("field 'request' must be an object")
+  for k in ("id", "tenant", "session", "kind"):
+    _check_str(r, k)
+  if r["kind"] not in _KINDS:
+    raise StoreError(f"field 'kind' is {r['kind']!r}; valid: {_KINDS}")
+  _check_str(r, "prompt_text", empty=True)
+  _check_number(r, "created")
+  _check_type(r, "request", dict, "an object")
+  _check_type(r, "messages", list, "a list", null=True)
+  _check_type(r, "tools", list, "a list", null=True)
   _check_ids(r["prompt_ids"], "prompt_ids")
-  if r["status"] not in CALL_STATUSES:
+  for k in ("parent_call", "break_reason", "reason"):
+    _check_str(r, k, empty=True, null=True)
+  if r["parent_choice"] is not None and not (_is_int(r["parent_choice"]) and
+                                             0 <= r["parent_choice"] < _INT64):
+    raise StoreError("field 'parent_choice' must be a non-negative integer or null")
+  if not isinstance(r["status"], str) or r["status"] not in CALL_STATUSES:
     raise StoreError(f"field 'status' is {r['status']!r}; valid: {CALL_STATUSES}")
+  _check_number(r, "finished", null=True)
+  _check_number(r, "latency_s", null=True)
+  _check_type(r, "response", dict, "an object", null=True)
   if not isinstance(r["choices"], list):
     raise StoreError("field 'choices' must be a list")
   for i, c in enumerate(r["choices"]):
-    if not isinstance(c, dict) or set(c) != _CHOICE_FIELDS:
-      raise StoreError(f"field 'choices[{i}]' must be an object with {sorted(_CHOICE_FIELDS)}")
-    _check_ids(c["token_ids"], f"choices[{i}].token_ids")
-    _check_ids(c["logprobs"], f"choices[{i}].logprobs", (int, float), "numbers")
-    if len(c["token_ids"]) != len(c["logprobs"]):
-      raise StoreError(f"field 'choices[{i}]': {len(c['token_ids'])} ids but "
-                       f"{len(c['logprobs'])} log-probs")
-  if r["status"] == "complete" and r["finished"] is None:
-    raise StoreError("field 'finished' is null on a complete call")
-  return kind, r
+    _parse_choice(c, i)
+  if r["status"] != "incomplete" and r["finished"] is None:
+    # without a finish time no result row is written and the call would read as incomplete
+    raise StoreError(f"field 'finished' is null on a {r['status']} call")
+  return r
+
+
+def _parse_record(line: bytes | str) -> tuple[str, dict]:
+  """One exported line, validated (StoreError names the field): every value that reaches a
+  SQLite column has that column's type, so the import's transaction cannot fail midway."""
+  try:
+    r = json_text.loads(line)
+  except json_text.JsonTextError as e:
+    raise StoreError(str(e)) from None
+  if not isinstance(r, dict):
+    raise StoreError("a record must be a JSON object")
+  version = r.get("schema_version")
+  if not _is_int(version) or version != SCHEMA_VERSION:
+    raise StoreError(f"field 'schema_version' is {version!r}; this code reads {SCHEMA_VERSION}")
+  kind = r.get("type")
+  if kind == "feedback":
+    return kind, _parse_feedback(r)
+  if kind != "call":
+    raise StoreError(f"field 'type' is {kind!r}; valid: 'call', 'feedback'")
+  return kind, _parse_call(r)
 
 
 def iter_sessions(store: TraceStore, tenant: str) -> Iterator[tuple[str, list[CallRecord]]]:
