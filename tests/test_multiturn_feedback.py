@@ -20,7 +20,8 @@ class _Commented(et.CalcEnv):
 
   async def grade(self, turn):
     ok = str(self.cfg.a + self.cfg.b) in turn.content
-    return GradeResult(float(ok), {"feedback": "right" if ok else f"it is {self.cfg.a + self.cfg.b}"})
+    text = "right" if ok else f"it is {self.cfg.a + self.cfg.b}"
+    return GradeResult(float(ok), {"feedback": text})
 
 
 def _task(i=0):
