@@ -80,3 +80,29 @@ def test_sdpo_warm_start_then_rl_runs_end_to_end(tmp_path):
   for r in rows:   # the hidden_rule grader comments on every attempt: every token is scored
     assert r["distill/no_context_frac"] == 0.0 and r["distill/teacher_token_frac"] == 1.0
     assert r["distill/divergence"] > 0 and r["skipped_update"] == 0.0
+
+
+def test_serve_config_names_an_engine_whose_settings_are_flags():
+  """`--config=configs/serve.py:vllm` makes every VLLMEngineConfig field a command-line flag
+  (None-valued ones included), parsed as launch/serve.py parses them; without the argument the
+  engine's defaults are used."""
+  from absl import flags
+
+  from posttrain_jax.byoh.serve_config import serve_config_from_dict
+  from posttrain_jax.engines.vllm_engine import VLLMEngineConfig
+  from posttrain_jax.launch.cli import _parse_flags
+
+  serve = str(ROOT / "configs" / "serve.py")
+  fv = flags.FlagValues()
+  _parse_flags(["serve", f"--config={serve}:vllm", "--config.engine_config.dtype=float32",
+                "--config.engine_config.max_model_len=1024",
+                "--config.engine_config.enforce_eager=True",
+                "--config.proxy.max_tokens_limit=256"], serve, fv)
+  cfg = serve_config_from_dict(fv.config.to_dict())
+  assert cfg.engine == "vllm" and cfg.proxy.max_tokens_limit == 256
+  assert cfg.engine_config == VLLMEngineConfig(dtype="float32", max_model_len=1024,
+                                               enforce_eager=True)
+  plain = flags.FlagValues()
+  _parse_flags(["serve", f"--config={serve}", "--config.engine=vllm"], serve, plain)
+  cfg = serve_config_from_dict(plain.config.to_dict())
+  assert cfg.engine == "vllm" and cfg.engine_config is None
