@@ -8,7 +8,9 @@ so a crash mid-save never leaves a checkpoint that looks complete.
 
 The state is saved as a flat `{path: array}` dict (paths from `jax.tree_util.keystr`), so
 integer layer keys and optax's NamedTuples need no special handling; restore maps the
-arrays back onto the live state's tree structure and shardings.
+arrays back onto the live state's tree structure and shardings. Other arrays the run carries
+(an EMA teacher's parameters) are saved the same way as named extra items (`arrays`), and
+restored by name into the structure and shardings of a live tree (`restore_arrays`).
 """
 from __future__ import annotations
 
@@ -39,10 +41,29 @@ def _key_data(rng):
   return jax.random.key_data(rng)
 
 
-def _flatten(state: TrainState) -> dict[str, Any]:
-  state = dataclasses.replace(state, rng=_key_data(state.rng))
-  leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+def _flat(tree) -> dict[str, Any]:
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
   return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
+
+
+def _flatten(state: TrainState) -> dict[str, Any]:
+  return _flat(dataclasses.replace(state, rng=_key_data(state.rng)))
+
+
+def _target(flat: dict[str, Any]) -> dict[str, Any]:
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+      flat)
+
+
+def _unflatten(like, flat: dict[str, Any], where: pathlib.Path):
+  """`flat` ({keystr: array}) in the tree structure of `like`."""
+  paths, treedef = jax.tree_util.tree_flatten_with_path(like)
+  missing = [jax.tree_util.keystr(p) for p, _ in paths if jax.tree_util.keystr(p) not in flat]
+  if missing:
+    raise ValueError(f"checkpoint {where} does not match this run's state "
+                     f"(missing {missing[:3]}); was it written by another model/optimizer?")
+  return jax.tree_util.tree_unflatten(treedef, [flat[jax.tree_util.keystr(p)] for p, _ in paths])
 
 
 class Checkpointer:
@@ -61,9 +82,15 @@ class Checkpointer:
   def should_save(self, step: int) -> bool:
     return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
 
-  def save(self, step: int, state: TrainState, extra: dict) -> None:
+  def save(self, step: int, state: TrainState, extra: dict,
+           arrays: Optional[dict[str, Any]] = None) -> None:
+    """`arrays`: {item name: pytree of arrays} saved beside the state (e.g. "teacher")."""
+    items = {name: ocp.args.StandardSave(_flat(tree)) for name, tree in (arrays or {}).items()}
+    if {"state", "extra"} & set(items):
+      raise ValueError(f"checkpoint item names 'state' and 'extra' are taken, got {sorted(items)}")
     self._mngr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(_flatten(state)), extra=ocp.args.JsonSave(extra)), force=True)
+        state=ocp.args.StandardSave(_flatten(state)), extra=ocp.args.JsonSave(extra), **items),
+        force=True)
 
   def wait(self) -> None:
     self._mngr.wait_until_finished()
@@ -78,22 +105,25 @@ class Checkpointer:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-        _flatten(like))
     out = self._mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), extra=ocp.args.JsonRestore()))
-    flat = out["state"]
-    like_k = dataclasses.replace(like, rng=_key_data(like.rng))
-    paths, treedef = jax.tree_util.tree_flatten_with_path(like_k)
-    missing = [jax.tree_util.keystr(p) for p, _ in paths if jax.tree_util.keystr(p) not in flat]
-    if missing:
-      raise ValueError(f"checkpoint {self.directory / str(step)} does not match this run's state "
-                       f"(missing {missing[:3]}); was it written by another model/optimizer?")
-    leaves = [flat[jax.tree_util.keystr(p)] for p, _ in paths]
-    state = jax.tree_util.tree_unflatten(treedef, leaves)
+        state=ocp.args.StandardRestore(_target(_flatten(like))), extra=ocp.args.JsonRestore()))
+    state = _unflatten(dataclasses.replace(like, rng=_key_data(like.rng)), out["state"],
+                       self.directory / str(step))
     state = dataclasses.replace(state, rng=jax.random.wrap_key_data(np.asarray(state.rng)))
     return state, out["extra"]
+
+  def has_arrays(self, step: int, name: str) -> bool:
+    """Whether checkpoint `step` holds the extra item `name` (see `save`)."""
+    return (self.directory / str(step) / name).is_dir()
+
+  def restore_arrays(self, name: str, like, step: int):
+    """Extra item `name` of checkpoint `step` in the structure and shardings of `like` (arrays,
+    or ShapeDtypeStructs with shardings)."""
+    if not self.has_arrays(step, name):
+      raise FileNotFoundError(f"checkpoint {self.directory / str(step)} holds no {name!r} arrays")
+    out = self._mngr.restore(step, args=ocp.args.Composite(
+        **{name: ocp.args.StandardRestore(_target(_flat(like)))}))
+    return _unflatten(like, out[name], self.directory / str(step))
 
   def close(self) -> None:
     self._mngr.wait_until_finished()

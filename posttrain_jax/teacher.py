@@ -1,50 +1,70 @@
-"""Self-distillation teachers: the model itself, with privileged context, scoring the student's tokens.
+"""Distillation teachers: a model scoring the student's sampled tokens, with privileged context
+(self-distillation) or without (on-policy distillation from another checkpoint).
 
 For a trajectory whose prompt is the chat x and whose sampled span is y (every token from the
 first sampled one on, tool results and template glue included, as the engine's ids), the
 teacher sequence is
 
-    teacher ids = render(x with context c added to its last user message) ++ y
+    teacher ids = render(x with context c added to its last user message, x's tools) ++ y
 
 and the teacher's log-prob of each *sampled* token of y, log T(y_t | x, c, y_<t), is computed by
-the learner's forward pass under the teacher's weights. The response span is the same ids
-(never re-rendered from text), so the teacher's sampled positions line up one to one with the
-student's; `score` verifies that token by token (same count, same target id at each position)
-and raises `AlignmentError` otherwise — a shifted alignment can never train silently.
+the learner's forward pass under the teacher's weights. The prompt is rendered with the tools the
+student saw (Trajectory.tools), so a tool-using trajectory's teacher sees the same tools block.
+The response span is the same ids (never re-rendered from text), so the teacher's sampled
+positions line up one to one with the student's; `align` verifies that token by token (same
+count, same target id at each position) and raises `AlignmentError` otherwise — a shifted
+alignment can never train silently.
 
 Context c (a registered `CONTEXTS` function of the trajectory, its group and its task):
   feedback   the grader's / user's free text on this attempt (Trajectory.feedback)
   reference  the task's reference solution (task.metadata["solution"], else task.answer)
   sibling    a successful sibling's answer (same group, reward ≥ success_reward, not itself)
   sdpo       sibling when there is one, else feedback (SDPO's rule, arXiv 2601.20802)
+  none       no context: the teacher reads the student's own ids (classic on-policy
+             distillation from another model, Agarwal et al. 2024 GKD; every sample is scored)
 A trajectory without context gets teacher_mask 0 on every token: the distillation term skips
-it, and `distill/no_context_frac` counts it.
+it, and `distill/no_context_frac` counts it. A context function returning "" (`none`) means the
+student's prompt ids unchanged, not a re-rendered chat.
 
 Weights: "student" scores with the current parameters (before this step's update: on-policy,
-the teacher is the policy that sampled, plus the context; with stale samples, the current one); "ema" with an exponential moving average
-θ_T ← θ_T + r (θ − θ_T) of them, updated after every RL step (one update each) (rate r, SDPO's default 0.05),
-starting from the RL start weights; "frozen" with the RL start weights throughout. A teacher
-that shares the current weights moves with every update, and a full-distribution loss can then
-pull student and teacher together to a degenerate agreement (measured on the hidden-rule task at
-lr 1e-3: JSD 0.36 -> 0.002 while both emitted max-length junk and held-out accuracy fell to 0);
-the EMA is SDPO's remedy. For a head loss the teacher's own LM head goes to the learner's step
-(`step_inputs`).
+the teacher is the policy that sampled, plus the context; with stale samples, the current one);
+"ema" with an exponential moving average θ_T ← θ_T + r (θ − θ_T) of them, updated after every RL
+step (rate r, SDPO's default 0.05), starting from the RL start weights and saved with every
+checkpoint (a resumed run continues the same average); "frozen" with the RL start weights
+throughout; "checkpoint" with another model read from `checkpoint` (an HF directory: its own
+graph, sharded on the learner's mesh like the learner's parameters, never updated). That model
+may differ in size and architecture but must share the student's vocabulary (and tokenizer,
+when both directories have one): it scores the student's token ids.
+
+A teacher that shares the current weights moves with every update, and a full-distribution loss
+can then pull student and teacher together to a degenerate agreement (measured on the
+hidden-rule task at lr 1e-3: JSD 0.36 -> 0.002 while both emitted max-length junk and held-out
+accuracy fell to 0); the EMA is SDPO's remedy. For a head loss the teacher's own LM head goes to
+the learner's step (`step_inputs`); another checkpoint's head is put in the student's layout, and
+teacher_hidden is [B, T, D_T] in its hidden size (kernels/teacher.py takes D_T ≠ D).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import pathlib
 from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 
 from posttrain_jax import batching
+from posttrain_jax.errors import UserError
+from posttrain_jax.learner import LearnerConfig, hidden_states, token_logprobs
+from posttrain_jax.models import hf_io
+from posttrain_jax.models.decoder import Decoder
 from posttrain_jax.registry import Registry
 from posttrain_jax.types import TrainBatch, Trajectory
 
 ContextFn = Callable[[Trajectory, Sequence[Trajectory], Any, "TeacherConfig"], Optional[str]]
 CONTEXTS: Registry[ContextFn] = Registry("teacher context")
-WEIGHTS = ("student", "ema", "frozen")
+WEIGHTS = ("student", "ema", "frozen", "checkpoint")
 FIELDS = frozenset({"teacher_logp", "teacher_mask", "teacher_hidden"})  # the TrainBatch fields it fills
 
 
@@ -52,24 +72,42 @@ class AlignmentError(ValueError):
   """The teacher's sampled positions do not match the student's token for token."""
 
 
+class TeacherCheckpointError(UserError, ValueError):
+  """rl.teacher.checkpoint names a model that cannot score the student's tokens."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TeacherConfig:
-  """The self-distillation teacher: which privileged context, how it is shown, which weights."""
-  context: str = "feedback"       # a name in CONTEXTS: feedback | reference | sibling | sdpo
+  """The distillation teacher: which privileged context, how it is shown, which weights."""
+  context: str = "feedback"       # a name in CONTEXTS: feedback | reference | sibling | sdpo | none
   template: str = "{prompt}\n\n{context}"  # the teacher's last user message ({prompt}: the student's)
   feedback_template: str = "Feedback on an earlier attempt: {text}"
   reference_template: str = "A correct solution: {text}"
   sibling_template: str = "A correct answer: {text}"
   success_reward: float = 1.0     # a sibling with reward ≥ this is successful
-  weights: str = "student"        # "student" (current weights) | "ema" | "frozen"
+  weights: str = "student"        # "student" (current weights) | "ema" | "frozen" | "checkpoint"
   ema_rate: float = 0.05          # r in θ_T ← θ_T + r (θ − θ_T), weights="ema" only
                                   # ("frozen": the RL start weights, never updated)
+  checkpoint: str = ""            # weights="checkpoint": the teacher's HF model directory (any
+                                  # size / architecture, the student's vocabulary)
   seq_len: int = 256              # positions per row of the teacher's batch (prompt + context + y)
 
   def __post_init__(self):
     CONTEXTS.get(self.context)
     if self.weights not in WEIGHTS:
       raise ValueError(f"TeacherConfig.weights is {self.weights!r}; valid: {WEIGHTS}")
+    if self.weights == "checkpoint" and not self.checkpoint:
+      raise ValueError("TeacherConfig.checkpoint (rl.teacher.checkpoint) is empty: weights="
+                       "'checkpoint' needs the teacher's HF model directory, e.g. "
+                       "--config.rl.teacher.checkpoint=DIR")
+    if self.checkpoint and self.weights != "checkpoint":
+      raise ValueError(f"TeacherConfig.checkpoint (rl.teacher.checkpoint) is "
+                       f"{self.checkpoint!r} but weights is {self.weights!r}: set "
+                       "rl.teacher.weights='checkpoint' to distill from it, or clear it")
+    if self.context == "none" and self.weights == "student":
+      raise ValueError("TeacherConfig.context='none' with weights='student': the teacher would "
+                       "be the student itself, scoring its own tokens (no signal); use weights "
+                       "'checkpoint', 'ema' or 'frozen', or a privileged context")
     if not 0.0 < self.ema_rate <= 1.0:
       raise ValueError(f"TeacherConfig.ema_rate must be in (0, 1], got {self.ema_rate}")
     if "{prompt}" not in self.template or "{context}" not in self.template:
@@ -109,6 +147,11 @@ def _sibling(traj, group, task, cfg):
 @CONTEXTS.register("sdpo")
 def _sdpo(traj, group, task, cfg):
   return _sibling(traj, group, task, cfg) or _feedback(traj, group, task, cfg)
+
+
+@CONTEXTS.register("none")
+def _none(traj, group, task, cfg):
+  return ""       # no context: the student's own prompt ids (SelfTeacher.sequences)
 
 
 def teacher_messages(messages: Sequence[dict], context: str, template: str) -> Optional[list]:
@@ -196,46 +239,134 @@ def ema_update(teacher_params, params, rate):
   return jax.tree.map(lambda t, p: t + rate * (p.astype(t.dtype) - t), teacher_params, params)
 
 
+class TeacherModel:
+  """Another model's forward pass (weights="checkpoint"): its own graph and parameters (loaded
+  sharded on the learner's mesh), scored with the learner's temperature and LM-head kernel.
+
+  `put_batch` moves a host batch onto the mesh (`Learner.put_batch`).
+  """
+
+  def __init__(self, model: Decoder, learner_cfg: LearnerConfig,
+               put_batch: Callable[[TrainBatch], TrainBatch]):
+    self.cfg = model.cfg
+    self.graphdef, params = nnx.split(model, nnx.Param)
+    self.params = nnx.to_pure_dict(params)
+    self.put_batch = put_batch
+    self._logprobs = jax.jit(functools.partial(token_logprobs, self.graphdef,
+                                               temperature=learner_cfg.temperature,
+                                               impl=learner_cfg.logprob_impl))
+    self._hidden = jax.jit(functools.partial(hidden_states, self.graphdef))
+
+  def logprobs(self, batch: TrainBatch) -> jax.Array:
+    """log T(target_t) [B, T] (0 where loss_mask = 0)."""
+    return self._logprobs(self.params, self.put_batch(batch))
+
+  def hidden(self, batch: TrainBatch) -> jax.Array:
+    """The teacher's final hidden states [B, T, D_T]."""
+    return self._hidden(self.params, self.put_batch(batch))
+
+  def head(self, transposed: bool) -> jax.Array:
+    """The teacher's LM head in the layout `transposed` says ([V, D_T] if True, else [D_T, V])."""
+    w, t = nnx.merge(self.graphdef, self.params).head()
+    return w if t == transposed else w.T
+
+
+def check_teacher_checkpoint(path: str, student_vocab: int, student_tokenizer=None):
+  """The teacher's ModelConfig, after checking it can score the student's ids: the same
+  vocabulary size and, when `student_tokenizer` is given and `path` has tokenizer files, the
+  same token -> id map. Raises TeacherCheckpointError naming rl.teacher.checkpoint."""
+  where = f"rl.teacher.checkpoint={path!r}"
+  try:
+    cfg = hf_io.read_model_config(path)
+  except UserError as e:
+    raise TeacherCheckpointError(f"{where}: {e}") from None
+  if cfg.vocab_size != student_vocab:
+    raise TeacherCheckpointError(
+        f"{where}: the teacher's vocabulary has {cfg.vocab_size} tokens, the student's "
+        f"{student_vocab}; distillation scores the student's token ids, so the teacher must share "
+        "the student's vocabulary (and tokenizer)")
+  d = pathlib.Path(path)
+  if student_tokenizer is not None and any((d / f).exists() for f in ("tokenizer.json",
+                                                                      "tokenizer_config.json")):
+    theirs, ours = hf_io.load_tokenizer(d).get_vocab(), student_tokenizer.get_vocab()
+    if theirs != ours:
+      diff = sorted(set(theirs.items()) ^ set(ours.items()))
+      tok = diff[0][0]
+      raise TeacherCheckpointError(
+          f"{where}: the teacher's tokenizer differs from the student's ({len(theirs)} vs "
+          f"{len(ours)} tokens; e.g. {tok!r} is id {ours.get(tok)} for the student and "
+          f"{theirs.get(tok)} for the teacher); both must map text to the same ids")
+  return cfg
+
+
 class SelfTeacher:
   """Fills `teacher_logp` / `teacher_mask` of a student batch (see the module docstring).
 
-  `encode(messages) -> prompt ids` renders a chat with the generation prompt (the same function
-  the rollouts use); `tasks` maps task ids to Task records for the "reference" context.
+  `encode(messages, tools) -> prompt ids` renders a chat with the generation prompt and the
+  tools (None: no tools), the same rendering the rollouts use; `tasks` maps task ids to Task
+  records for the "reference" context. `ema_params`: the EMA / frozen weights; `model`: the
+  other checkpoint's TeacherModel (weights="checkpoint").
   """
 
-  def __init__(self, cfg: TeacherConfig, encode: Callable[[list], list[int]],
-               student_batch: batching.BatchConfig, ema_params: Any = None):
+  def __init__(self, cfg: TeacherConfig, encode: Callable[[list, Optional[list]], list[int]],
+               student_batch: batching.BatchConfig, ema_params: Any = None,
+               model: Optional[TeacherModel] = None):
     self.cfg = cfg
     self.encode = encode
     self.batch_cfg = dataclasses.replace(student_batch, seq_len=cfg.seq_len)
     self.context_fn = CONTEXTS.get(cfg.context)
     self.ema_params = ema_params
-    if cfg.weights != "student" and ema_params is None:
+    self.model = model
+    self._head = None     # the other checkpoint's head in the student's layout (step_inputs)
+    if cfg.weights == "checkpoint" and model is None:
+      raise ValueError("TeacherConfig.weights='checkpoint' needs the teacher's model (model)")
+    if cfg.weights in ("ema", "frozen") and ema_params is None:
       raise ValueError(f"TeacherConfig.weights={cfg.weights!r} needs the starting weights "
                        "(ema_params)")
 
   def params(self, learner):
+    """The teacher's parameters (the other checkpoint's for weights="checkpoint")."""
+    if self.model is not None:
+      return self.model.params
     return learner.params if self.cfg.weights == "student" else self.ema_params
 
   def step_inputs(self, learner) -> dict:
     """Extra arguments of learner.step: a head loss's teacher head when it is not the student's."""
     if self.cfg.weights == "student" or not learner.spec.head:
       return {}
-    from flax import nnx
+    if self.model is not None:     # fixed weights: put into the student's layout once
+      if self._head is None:
+        self._head = self.model.head(transposed=learner.model().head()[1])
+      return {"teacher_w": self._head}
     w, _ = nnx.merge(learner.graphdef, self.ema_params).head()
     return {"teacher_w": w}
+
+  def _score(self, learner, tb: TrainBatch, needs):
+    """(log T of each target [B, T] or None, hidden states [B, T, D_T] or None) of `tb`."""
+    if self.model is not None:
+      logp = self.model.logprobs(tb) if "teacher_logp" in needs else None
+      hidden = self.model.hidden(tb) if "teacher_hidden" in needs else None
+    else:
+      params = self.params(learner)
+      logp = learner.logprobs(tb, params) if "teacher_logp" in needs else None
+      hidden = learner.hidden(tb, params) if "teacher_hidden" in needs else None
+    return (None if logp is None else np.asarray(logp),
+            None if hidden is None else np.asarray(hidden))
+
+  def hidden_size(self, learner) -> int:
+    """D_T: the width of teacher_hidden."""
+    return (self.model.cfg if self.model is not None else learner.model().cfg).hidden_size
 
   def after_update(self, learner) -> None:
     """Moves the EMA towards the student's new weights (nothing for weights="student")."""
     if self.cfg.weights == "ema":
       self.ema_params = ema_update(self.ema_params, learner.params, self.cfg.ema_rate)
 
-  def fill(self, learner, trajs: Sequence[Trajectory], batch: TrainBatch,
-           tasks: Optional[dict] = None, needs=("teacher_logp", "teacher_mask")
-           ) -> tuple[TrainBatch, dict[str, float]]:
-    """`batch` (built from `trajs`, in order) with teacher_mask and, as `needs` says,
-    teacher_logp (the teacher's log-prob of each sampled token) and teacher_hidden (its final
-    hidden state there, for full-distribution losses) filled."""
+  def sequences(self, trajs: Sequence[Trajectory], tasks: Optional[dict] = None
+                ) -> tuple[list[int], list[Trajectory], int]:
+    """(owners, teacher trajectories, how many had context but no user message): teacher
+    trajectory k is the teacher sequence of trajs[owners[k]], its prompt rendered with that
+    trajectory's tools; trajectories without context have none."""
     groups: dict[Any, list[Trajectory]] = {}
     for t in trajs:
       groups.setdefault(t.group_id or t.id, []).append(t)
@@ -246,12 +377,25 @@ class SelfTeacher:
       context = self.context_fn(traj, groups[traj.group_id or traj.id], task, self.cfg)
       if context is None:
         continue
-      msgs = teacher_messages(traj.messages, context, self.cfg.template)
-      if msgs is None:
-        no_prompt += 1
-        continue
+      if context == "":           # no context: the student's own prompt, as it was sampled
+        prompt_ids = traj.token_ids[:traj.prompt_len]
+      else:
+        msgs = teacher_messages(traj.messages, context, self.cfg.template)
+        if msgs is None:
+          no_prompt += 1
+          continue
+        prompt_ids = self.encode(msgs, traj.tools)
       owners.append(s)
-      teacher_trajs.append(teacher_trajectory(traj, self.encode(msgs)))
+      teacher_trajs.append(teacher_trajectory(traj, prompt_ids))
+    return owners, teacher_trajs, no_prompt
+
+  def fill(self, learner, trajs: Sequence[Trajectory], batch: TrainBatch,
+           tasks: Optional[dict] = None, needs=("teacher_logp", "teacher_mask")
+           ) -> tuple[TrainBatch, dict[str, float]]:
+    """`batch` (built from `trajs`, in order) with teacher_mask and, as `needs` says,
+    teacher_logp (the teacher's log-prob of each sampled token) and teacher_hidden (its final
+    hidden state there, for full-distribution losses) filled."""
+    owners, teacher_trajs, no_prompt = self.sequences(trajs, tasks)
     shape = np.shape(batch.loss_mask)
     logp, mask, hidden = np.zeros(shape, np.float32), np.zeros(shape, np.float32), None
     want_hidden = "teacher_hidden" in needs
@@ -262,12 +406,10 @@ class SelfTeacher:
       except batching.BatchError as e:
         raise batching.BatchError(f"the teacher's batch (rl.teacher.seq_len={self.cfg.seq_len}, "
                                   f"rows={self.batch_cfg.rows}): {e}") from None
-      params = self.params(learner)
-      t_logp = (np.asarray(learner.logprobs(tb, params)) if "teacher_logp" in needs else None)
-      t_hidden = np.asarray(learner.hidden(tb, params)) if want_hidden else None
+      t_logp, t_hidden = self._score(learner, tb, needs)
       logp, mask, hidden = align(batch, tb, owners, t_logp, [t.id for t in trajs], t_hidden)
     elif want_hidden:   # nothing scored: an all-zero state beside an all-zero mask
-      hidden = np.zeros((*shape, learner.model().cfg.hidden_size), np.float32)
+      hidden = np.zeros((*shape, self.hidden_size(learner)), np.float32)
     n = max(len(trajs), 1)
     metrics = {"distill/no_context_frac": 1.0 - len(owners) / n,
                "distill/no_prompt_frac": no_prompt / n}

@@ -5,9 +5,9 @@
     for step in RL steps:   rl_step (rl_step.py): weights -> rollouts -> advantages -> update
 
 Global step numbering runs through both phases, so one checkpoint series, one metrics file
-and one progress bar cover the run. A checkpoint holds the TrainState, the task iterator's
-state, the rollout source's state, the running baseline, the reward history, the held-out
-"before" accuracy and the config; sampling seeds derive from (seed, step). Resuming therefore
+and one progress bar cover the run. A checkpoint holds the TrainState (and an EMA teacher's
+weights), the task iterator's state, the rollout source's state, the running baseline, the
+reward history, the held-out "before" accuracy and the config; sampling seeds derive from (seed, step). Resuming therefore
 replays exactly the steps an uninterrupted run would take (sync mode).
 
 Resume: the side-car is read first and the config compared with the saved one (fields that
@@ -51,13 +51,15 @@ from posttrain_jax.engines.base import SamplingParams
 from posttrain_jax.engines.registry import EngineContext, engine_spec
 from posttrain_jax.envs import TaskBank, make_grader, solution_text
 from posttrain_jax.learner import Learner, abstract_train_state
+from posttrain_jax.losses import get_loss
 from posttrain_jax.metrics import MetricsWriter, plot_run, read_metrics
 from posttrain_jax.models import hf_io
 from posttrain_jax.models.tiny import build_tiny_model
 from posttrain_jax.rl_step import rl_step
 from posttrain_jax.run_config import RunConfig, run_config_from_dict
 from posttrain_jax.sharding import make_mesh
-from posttrain_jax.teacher import FIELDS as TEACHER_FIELDS, SelfTeacher
+from posttrain_jax.teacher import (FIELDS as TEACHER_FIELDS, SelfTeacher, TeacherModel,
+                                   check_teacher_checkpoint)
 
 # Config fields whose change makes a checkpoint mean something else: resuming is refused.
 _FIXED_ON_RESUME = ("seed", "model", "tasks", "sft.steps", "sft.batch_size", "sft.answer_style",
@@ -90,6 +92,10 @@ class Trainer:
                              (cfg.episode_config().turn_max_tokens if self._multi_turn
                               else max(cfg.rl.rollout.max_tokens, cfg.eval.max_tokens)))
     self.loss_cfg = cfg.loss_config()
+    distill = cfg.rl.steps and get_loss(cfg.rl.learner.loss).needs(self.loss_cfg) & TEACHER_FIELDS
+    if distill and cfg.rl.teacher.weights == "checkpoint":  # another model: it must fit, now
+      check_teacher_checkpoint(cfg.rl.teacher.checkpoint, self.model_cfg.vocab_size,
+                               self.tokenizer)
     self.mesh = make_mesh(cfg.mesh)
     tasks_cfg = dataclasses.replace(cfg.tasks, process_index=jax.process_index(),
                                     process_count=jax.process_count())
@@ -106,6 +112,7 @@ class Trainer:
     self.heldout_before: Optional[dict] = None
     self.baseline = BaselineState()
     self._source = None                       # the RL phase's rollout source (sync or async)
+    self._teacher_obj: Optional[SelfTeacher] = None  # the RL phase's teacher (its EMA is saved)
     self._engine_obj = None                   # the RL phase's engine (closed at the end)
     self._source_state: Optional[dict] = None  # its checkpointed state, restored when it starts
     self._drawn = 0                            # SFT tasks drawn (for the exhausted-data message)
@@ -170,7 +177,9 @@ class Trainer:
 
   def _save(self, step: int, learner: Learner, force: bool = False) -> None:
     if force or self.ckpt.should_save(step):
-      self.ckpt.save(step, learner.state, self._extra(step))
+      t = self._teacher_obj
+      arrays = ({"teacher": t.ema_params} if t is not None and t.cfg.weights == "ema" else None)
+      self.ckpt.save(step, learner.state, self._extra(step), arrays=arrays)
 
   def evaluate(self, engine) -> dict[str, float]:
     """Mean reward on the held-out tasks: sampled at the policy temperature, and greedy."""
@@ -298,7 +307,8 @@ class Trainer:
     reference = None  # the warm-start weights: a loss term needs them, or a KL is reported
     if "ref_logp" in learner.spec.needs(self.loss_cfg) or cfg.reference_kl:
       reference = self._start_params(learner, resume, base)
-    teacher = self._teacher(learner, resume, reference, base)
+    teacher = self._teacher_obj = self._teacher(learner, start if resume else None, reference,
+                                                base)
     engine = self._engine_obj = self._engine(learner, base)
     source = self._source = self._rollout_source(learner, engine, base)
     if self._source_state:
@@ -344,21 +354,30 @@ class Trainer:
       return jax.tree.map(jnp.copy, learner.state.params)
     return nnx.to_pure_dict(nnx.state(self._load(base), nnx.Param))
 
-  def _teacher(self, learner: Learner, resume: bool, reference, base) -> Optional[SelfTeacher]:
-    """The distillation teacher when the loss reads a teacher field (teacher.py), else None."""
+  def _teacher(self, learner: Learner, restore_step: Optional[int], reference,
+               base) -> Optional[SelfTeacher]:
+    """The distillation teacher when the loss reads a teacher field (teacher.py), else None.
+    Resumed (`restore_step`): an EMA is restored from that checkpoint, a frozen teacher's start
+    weights are read again, another checkpoint is loaded again."""
     if not learner.spec.needs(self.loss_cfg) & TEACHER_FIELDS:
       return None
     cfg = self.cfg.rl.teacher
+    resume = restore_step is not None
+    ema, model = None, None
     if cfg.weights == "ema" and resume:
-      raise ValueError("resuming a run whose teacher is an EMA (rl.teacher.weights='ema') is not "
-                       "supported yet: the EMA weights are not checkpointed; use "
-                       "rl.teacher.weights='student' or start a new workdir")
-    ema = None           # the RL start weights (the reference's, when there is one)
-    if cfg.weights != "student":
+      if not self.ckpt.has_arrays(restore_step, "teacher"):
+        raise ConfigTypeError(
+            f"checkpoint {self.ckpt.directory}/{restore_step} holds no EMA teacher (it was "
+            "written with another rl.teacher.weights); resume with the saved value or start "
+            "over with --noresume")
+      ema = self.ckpt.restore_arrays("teacher", learner.params, restore_step)
+    elif cfg.weights in ("ema", "frozen"):  # the RL start weights (the reference's, if any)
       ema = (reference if cfg.weights == "frozen" and reference is not None
              else self._start_params(learner, resume, base))
-    return SelfTeacher(cfg, lambda msgs: encode_messages(self.tokenizer, msgs), self.cfg.rl.batch,
-                       ema_params=ema)
+    elif cfg.weights == "checkpoint":       # checked in __init__; sharded like the learner
+      model = TeacherModel(self._load(cfg.checkpoint), learner.cfg, learner.put_batch)
+    return SelfTeacher(cfg, lambda msgs, tools: encode_messages(self.tokenizer, msgs, tools),
+                       self.cfg.rl.batch, ema_params=ema, model=model)
 
   def _stop(self, step: int) -> bool:
     return self.cfg.stop_after_step is not None and step >= self.cfg.stop_after_step

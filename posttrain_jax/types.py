@@ -54,6 +54,7 @@ class Trajectory:
   group_id: Optional[str] = None
   source: Source = Source.TASK_BANK
   messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  tools: Optional[list[dict[str, Any]]] = None   # the tools (OpenAI format) the chat was rendered with
   reward: Optional[float] = None
   feedback: Optional[str] = None
   status: Status = Status.OK

@@ -18,9 +18,11 @@ from posttrain_jax.teacher import (AlignmentError, SelfTeacher, TeacherConfig, a
 from posttrain_jax.types import Trajectory
 
 
-def encode(messages):
-  """A stand-in chat template: every character of "role: content" lines to an id."""
-  text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+def encode(messages, tools=None):
+  """A stand-in chat template: every character of "role: content" lines to an id (the tools'
+  names first, as a "tools:" line)."""
+  text = f"tools: {' '.join(t['function']['name'] for t in tools)}\n" if tools else ""
+  text += "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
   return [ord(c) % (VOCAB - 1) + 1 for c in text]
 
 

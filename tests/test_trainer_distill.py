@@ -1,8 +1,12 @@
 """The run with a self-distillation loss: the teacher wired through RunConfig, rl_step and the
 trainer, on the hidden-rule task whose grader gives free-text feedback (envs/hidden_rule.py)."""
+import jax
+import numpy as np
 import pytest
+from flax import nnx
 
 from posttrain_jax.metrics import read_metrics
+from posttrain_jax.models import hf_io
 from posttrain_jax.run_config import run_config_from_dict
 from posttrain_jax.trainer import Trainer
 
@@ -47,13 +51,48 @@ def test_attempts_without_feedback_have_no_teacher_and_are_counted(tmp_path):
     assert r["distill/no_context_frac"] == 1.0 and r["distill/teacher_token_frac"] == 0.0
 
 
-def test_an_ema_teacher_refuses_to_resume_instead_of_restarting_its_average(tmp_path):
-  cfg = distill_run(tmp_path / "c", teacher={"weights": "ema", "template": "{context} | {prompt}",
-                                             "feedback_template": "{text}", "seq_len": 48})
-  assert Trainer(run_config_from_dict({**_as_dict(cfg), "stop_after_step": 1}),
-                 log=lambda *_: None).run() is None
-  with pytest.raises(ValueError, match="EMA.*not checkpointed"):
-    Trainer(cfg, log=lambda *_: None).run()
+@pytest.mark.parametrize("loss", ["sampled_distill", "full_distill"])
+def test_an_ema_teacher_resumes_bit_for_bit(tmp_path, loss):
+  """Stop at step 2 of 4 and resume: the EMA saved with the checkpoint is restored, so the EMA
+  and the final weights equal an uninterrupted run's exactly (and the EMA is not the student)."""
+  from posttrain_jax.checkpoint import Checkpointer
+  from tests.test_trainer import _weights
+  teacher = {"weights": "ema", "ema_rate": 0.5, "template": "{context} | {prompt}",
+             "feedback_template": "{text}", "seq_len": 48}
+  over = dict(steps=4, teacher=teacher,
+              learner={"loss": loss, "optimizer": {"learning_rate": 1e-3}},
+              loss={"topk": 8} if loss == "full_distill" else None)
+  cfg = lambda d, **kw: run_config_from_dict({**_as_dict(distill_run(tmp_path / d, **over)),
+                                              "checkpoint": {"every_steps": 2}, **kw})
+  straight = Trainer(cfg("a"), log=lambda *_: None)
+  assert straight.run() is not None
+  assert Trainer(cfg("b", stop_after_step=2), log=lambda *_: None).run() is None
+  resumed = Trainer(cfg("b"), log=lambda *_: None)
+  assert resumed.run() is not None
+  a, b = _weights(tmp_path / "a" / "final_model"), _weights(tmp_path / "b" / "final_model")
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+  like = nnx.to_pure_dict(nnx.state(hf_io.load_hf_model(straight.model_dir), nnx.Param))
+  ema = {d: Checkpointer(tmp_path / d / "checkpoints").restore_arrays("teacher", like, 4)
+         for d in ("a", "b")}
+  start = jax.tree.leaves(like)
+  moved = False
+  for ea, eb, s0 in zip(jax.tree.leaves(ema["a"]), jax.tree.leaves(ema["b"]), start):
+    np.testing.assert_array_equal(np.asarray(ea), np.asarray(eb))
+    moved |= not np.array_equal(np.asarray(ea), np.asarray(s0))
+  assert moved                                     # the EMA followed the updates
+  losses = [[r["loss"] for r in _rl_rows(tmp_path / d)] for d in ("a", "b")]
+  assert len(losses[0]) == 4 and losses[0] == losses[1]
+
+
+def test_an_ema_teacher_does_not_resume_a_checkpoint_without_one(tmp_path):
+  from posttrain_jax.config_io import ConfigTypeError
+  assert Trainer(run_config_from_dict({**_as_dict(distill_run(tmp_path, steps=3)),
+                                       "stop_after_step": 1}), log=lambda *_: None).run() is None
+  ema = {"weights": "ema", "template": "{context} | {prompt}", "feedback_template": "{text}",
+         "seq_len": 48}
+  with pytest.raises(ConfigTypeError, match="holds no EMA teacher"):
+    Trainer(distill_run(tmp_path, steps=3, teacher=ema), log=lambda *_: None).run()
 
 
 def _as_dict(cfg):

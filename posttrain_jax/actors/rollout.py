@@ -68,9 +68,11 @@ class RolloutConfig:
                           top_p=self.top_p, top_k=self.top_k, stop_token_ids=tuple(stop_token_ids))
 
 
-def encode_messages(tokenizer, messages: list) -> list[int]:
-  """A chat's ids through the tokenizer's chat template (generation prompt appended)."""
-  out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def encode_messages(tokenizer, messages: list, tools: Optional[list] = None) -> list[int]:
+  """A chat's ids through the tokenizer's chat template (generation prompt appended), with
+  `tools` (OpenAI format) where the template shows them."""
+  out = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                      tokenize=True)
   ids = out["input_ids"] if hasattr(out, "keys") else out
   return list(ids)
 
