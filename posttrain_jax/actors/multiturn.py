@@ -302,8 +302,8 @@ class EnvEpisode:
           task_id=task.id, group_id=r.item.group_id, source=Source.ENV,
           token_ids=list(s.token_ids), loss_mask=list(mask),
           behaviour_logprobs=list(s.logprobs), policy_version=list(s.versions),
-          messages=r.messages if k == len(samples) - 1 else [], reward=r.reward,
-          status=r.status, feedback="\n".join(r.feedback) or None,
+          messages=r.messages if k == len(samples) - 1 else [], tools=r.stitcher.tools,
+          reward=r.reward, status=r.status, feedback="\n".join(r.feedback) or None,
           metrics={**metrics, "sample_index": k, "samples": len(samples),
                    "episode_id": f"{r.item.group_id}/{r.index}"}))
     return out

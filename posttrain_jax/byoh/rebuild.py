@@ -90,7 +90,7 @@ def rebuild_session(session: str, calls: Sequence[CallRecord],
     traj = Trajectory(
         id=f"{session}/{len(out)}", task_id=session, token_ids=list(ids), loss_mask=mask,
         behaviour_logprobs=logps, policy_version=versions, group_id=None, source=Source.BYOH,
-        messages=messages, reward=reward, feedback=text,
+        messages=messages, tools=call.tools or None, reward=reward, feedback=text,
         status=Status.TRUNCATED if choice.finish_reason == "length" else Status.OK,
         # one episode: advantages count a session once (advantages.py, sample_index 0)
         metrics={"calls": len(path), "tenant": call.tenant, "sample_index": len(out),
