@@ -153,3 +153,19 @@ def test_configs_that_cannot_learn_from_ungraded_sessions_are_refused(tmp_path, 
   with pytest.raises(Exception, match=match):
     run_config_from_dict({"rl": {**RL, **rl}})
   run_config_from_dict({"rl": {**RL, "learner": {"loss": "grpo"}, "loss": None}})  # "grade": ok
+
+
+def test_a_triage_set_restricts_the_sessions_taken(tmp_path, db):
+  """launch/triage.py's sets are config inputs: `rl.traces.sessions=sets/feedback.jsonl` takes
+  exactly the sessions with free text, whatever `require` would also allow."""
+  from posttrain_jax.byoh import triage
+  store = TraceStore(StoreConfig(path=str(db)))
+  paths = triage.write_sets(triage.curated_sets(triage.store_features(store)), tmp_path)
+  source = TraceRollouts(TraceSourceConfig(store=StoreConfig(path=str(db)), require="either",
+                                           sessions=str(paths["feedback"])), 8, store=store)
+  tasks, _ = source.collect(0)
+  assert sorted(t.id for t in tasks) == ["default/b5", "default/f2", "default/f3"]
+  with pytest.raises(triage.TriageError, match=r"nope.jsonl: no such session set"):
+    TraceRollouts(TraceSourceConfig(store=StoreConfig(path=str(db)),
+                                    sessions=str(tmp_path / "nope.jsonl")), 8, store=store)
+  store.close()

@@ -23,9 +23,10 @@ A step waits up to `wait_s` for `prompts_per_step` ready sessions and then train
 there are; with none, it trains on nothing (rl_step leaves the weights untouched on an empty
 batch). With `max_staleness` ≥ 0, a session whose oldest sampled token is
 more than that many versions old is taken but not trained, and the share of such sessions is
-logged per step as `filter/stale_session_frac` (the audit watches every filter's share). The
-sessions taken are part of the checkpoint (`state()`), so a resumed run never trains on a
-session twice.
+logged per step as `filter/stale_session_frac` (the audit watches every filter's share).
+`sessions` names a curated set (byoh/triage.py: "the sessions with feedback", "failure mode X"):
+only the sessions it lists are taken. The sessions taken are part of the checkpoint (`state()`),
+so a resumed run never trains on a session twice.
 """
 from __future__ import annotations
 
@@ -62,6 +63,9 @@ class TraceSourceConfig:
   require: str = "grade"                # which sessions are ready: "grade" (a session grade),
                                         # "feedback" (any free text), "either"; sessions without
                                         # a grade train with advantage 0 (a distillation loss)
+  sessions: str = ""                    # a session set file (launch/triage.py writes them:
+                                        # sets/feedback.jsonl, sets/mode_<mode>.jsonl, ...): only
+                                        # its sessions are taken; "" = every session
 
   def __post_init__(self):
     if self.require not in REQUIRE:
@@ -88,6 +92,10 @@ class TraceRollouts:
     self._clock, self._sleep = clock, sleep
     self.version = 0
     self._taken: set[tuple[str, str]] = set()
+    self._only: Optional[set[tuple[str, str]]] = None
+    if cfg.sessions:
+      from posttrain_jax.byoh.triage import read_set
+      self._only = read_set(cfg.sessions)
     self._metrics: dict[str, float] = {}
     self._totals: collections.Counter = collections.Counter()
 
@@ -118,7 +126,8 @@ class TraceRollouts:
           ready[fb.session] = fb.created           # the latest such row's time
       for s in self.store.sessions(tenant):
         key = (tenant, s["id"])
-        if key in self._taken or s["id"] not in ready:
+        if key in self._taken or s["id"] not in ready or (
+            self._only is not None and key not in self._only):
           continue
         if now - s["last_call"] >= self.cfg.settle_s:
           out.append((ready[s["id"]], tenant, s["id"]))
