@@ -17,7 +17,9 @@ alignment can never train silently.
 
 Context c (a registered `CONTEXTS` function of the trajectory, its group and its task):
   feedback   the grader's / user's free text on this attempt (Trajectory.feedback)
-  reference  the task's reference solution (task.metadata["solution"], else task.answer)
+  reference  the task's reference solution: task.metadata["reference"], else its "solution"
+             (the SFT target), else task.answer ("reference" is for a task whose SFT target is
+             not a correct solution: the hidden-rule task's unstated prompts teach a prior)
   sibling    a successful sibling's answer (same group, reward ≥ success_reward, not itself)
   sdpo       sibling when there is one, else feedback (SDPO's rule, arXiv 2601.20802)
   none       no context: the teacher reads the student's own ids (classic on-policy
@@ -131,7 +133,7 @@ def _feedback(traj, group, task, cfg):
 def _reference(traj, group, task, cfg):
   if task is None:
     return None
-  text = task.metadata.get("solution") or task.answer
+  text = task.metadata.get("reference") or task.metadata.get("solution") or task.answer
   return cfg.reference_template.format(text=text) if text else None
 
 

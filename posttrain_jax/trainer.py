@@ -64,7 +64,8 @@ from posttrain_jax.teacher import (FIELDS as TEACHER_FIELDS, SelfTeacher, Teache
 # Config fields whose change makes a checkpoint mean something else: resuming is refused.
 _FIXED_ON_RESUME = ("seed", "model", "tasks", "sft.steps", "sft.batch_size", "sft.answer_style",
                     "rl.mode", "rl.rollout.group_size", "rl.prompts_per_step",
-                    "rl.learner.loss", "rl.advantage.estimator", "mesh")
+                    "rl.learner.loss", "rl.advantage.estimator", "rl.teacher.weights",
+                    "rl.teacher.checkpoint", "mesh")
 
 
 class Trainer:

@@ -28,6 +28,11 @@ def test_stated_prompts_carry_their_rule_and_unstated_ones_never_show_the_hidden
     assert t.prompt == t.metadata["word"] and "rule" not in t.prompt
     assert t.answer == apply_rule("shift", t.prompt, cfg.letters)   # graded by the hidden rule
     assert t.metadata["solution"] == t.prompt                        # SFT teaches the prior
+    assert t.metadata["reference"] == t.answer                       # a reference teacher sees
+  from posttrain_jax.teacher import CONTEXTS, TeacherConfig          # the answer, not the prior
+  t = unstated[0]
+  assert CONTEXTS.get("reference")(None, [], t, TeacherConfig(context="reference")) == (
+      f"A correct solution: {t.answer}")
   held = {t.id for t in distinct_tasks("string_rule", cfg, 50, eval_fraction=0.1)}
   assert held and not held & {t.id for t in tasks}
 

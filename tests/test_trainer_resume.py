@@ -75,6 +75,8 @@ def test_changed_config_on_resume_is_refused_or_reported(tmp_path):
   with pytest.raises(ConfigTypeError, match=r"rl\.rollout\.group_size: 4 vs 2"):
     Trainer(tiny_run(tmp_path, rl={**_rl(), "rollout": {"group_size": 2, "max_tokens": 4}}),
             **QUIET).run()
+  with pytest.raises(ConfigTypeError, match=r"rl\.teacher\.weights: 'student' vs 'frozen'"):
+    Trainer(tiny_run(tmp_path, rl={**_rl(), "teacher": {"weights": "frozen"}}), **QUIET).run()
   logs = []
   rl = _rl()
   rl["learner"] = {"loss": "grpo", "optimizer": {"learning_rate": 5e-4}}

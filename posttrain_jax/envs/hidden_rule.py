@@ -83,7 +83,8 @@ def draw_string_rule(cfg: StringRuleConfig, rng: np.random.Generator) -> tuple[s
   answer = apply_rule(rule, word, cfg.letters)
   key = f"{rule if stated else '-'}|{word}"
   return key, Task(id=f"string_rule:{key}", prompt=prompt, answer=answer,
-                   metadata={"solution": solution, "rule": rule, "stated": stated,
+                   metadata={"solution": solution, "reference": answer, "rule": rule,
+                             "stated": stated,
                              "word": word, "generator": "string_rule"})
 
 
