@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from posttrain_jax.byoh import json_text
 from posttrain_jax.byoh import openai_api as api
 from posttrain_jax.byoh.server import Proxy
 from posttrain_jax.engines.base import EngineError
@@ -40,9 +41,9 @@ async def _json_body(request: Request, limit: int) -> Any:
     if len(raw) > limit:
       raise api.ApiError(413, f"request body over {limit} bytes", None, "request_too_large")
   try:
-    return json.loads(raw)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise api.ApiError(400, f"the body is not valid JSON: {e}") from None
+    return json_text.loads(raw)
+  except json_text.JsonTextError as e:  # not UTF-8 / JSON, too deep, a lone surrogate
+    raise api.ApiError(400, f"the body is not valid JSON: {e}", e.field) from None
 
 
 def build_app(proxy: Proxy) -> FastAPI:

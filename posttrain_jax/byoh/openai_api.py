@@ -63,7 +63,10 @@ def _num(body, key, lo, hi, default, kind=(int, float)):
 
 
 def parse_request(body: Any, *, chat: bool, models: tuple[str, ...], max_tokens_default: int,
-                  max_tokens_limit: int, max_n: int, stop_token_ids: tuple[int, ...]) -> Request:
+                  max_tokens_limit: int, max_n: int, stop_token_ids: tuple[int, ...],
+                  vocab_size: int = 1 << 31) -> Request:
+  """The request `body` validated; ApiError (4xx) naming the field. Token ids of a prompt
+  must be below `vocab_size` (the tokenizer's): a larger one cannot be decoded or embedded."""
   if not isinstance(body, dict):
     raise ApiError(400, "the request body must be a JSON object")
   model = body.get("model")
@@ -93,8 +96,9 @@ def parse_request(body: Any, *, chat: bool, models: tuple[str, ...], max_tokens_
   top_k = _num(body, "top_k", -1, 1 << 20, 0, (int,))
   n = _num(body, "n", 1, max_n, 1, (int,))
   seed = body.get("seed")
-  if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-    raise ApiError(400, "seed must be an integer", "seed")
+  if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                           or not 0 <= seed < 1 << 63):
+    raise ApiError(400, "seed must be an integer in [0, 2**63)", "seed")
   stop = body.get("stop")
   if stop is None:
     stop = ()
@@ -146,9 +150,10 @@ def parse_request(body: Any, *, chat: bool, models: tuple[str, ...], max_tokens_
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
       prompt = prompt[0]
     if isinstance(prompt, list):
-      if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                               for t in prompt):
-        raise ApiError(400, "prompt must be a string or one list of token ids", "prompt")
+      if not prompt or not all(isinstance(t, int) and not isinstance(t, bool)
+                               and 0 <= t < vocab_size for t in prompt):
+        raise ApiError(400, f"prompt must be a string or one list of token ids in "
+                       f"[0, {vocab_size})", "prompt")
     elif not isinstance(prompt, str) or not prompt:
       raise ApiError(400, "prompt must be a non-empty string or one list of token ids",
                      "prompt")

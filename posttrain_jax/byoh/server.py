@@ -79,6 +79,7 @@ class Proxy:
     self.cfg, self.engine, self.store, self.tool_format = cfg, engine, store, tool_format
     self.stop_ids = tuple(int(t) for t in stop_token_ids)
     self.builder = PromptBuilder(tokenizer, self.stop_ids)
+    self.vocab_size = len(tokenizer)   # prompt token ids must be below it
     self.keys = dict(cfg.api_keys)
     limit = cfg.max_prompt_tokens or getattr(getattr(engine, "cfg", None), "max_prompt_len", 0)
     self.max_prompt_tokens = int(limit or 0)
@@ -139,7 +140,7 @@ class Proxy:
     return api.parse_request(body, chat=chat, models=(self.cfg.model_name,),
                              max_tokens_default=self.cfg.max_tokens_default,
                              max_tokens_limit=self.cfg.max_tokens_limit, max_n=self.cfg.max_n,
-                             stop_token_ids=self.stop_ids)
+                             stop_token_ids=self.stop_ids, vocab_size=self.vocab_size)
 
   def prepare(self, req: api.Request, tenant: str, session: str):
     """The call's id, normalised messages and prompt; ApiError for what cannot be served."""
