@@ -485,9 +485,14 @@ def _parse_call(r: dict) -> dict:
     raise StoreError("field 'choices' must be a list")
   for i, c in enumerate(r["choices"]):
     _parse_choice(c, i)
-  if r["status"] != "incomplete" and r["finished"] is None:
-    # without a finish time no result row is written and the call would read as incomplete
-    raise StoreError(f"field 'finished' is null on a {r['status']} call")
+  if r["finished"] is None:
+    # no finish time: no result row is written, so the call reads back as incomplete with
+    # nothing sampled; a status or choices saying otherwise would be dropped silently
+    if r["status"] != "incomplete":
+      raise StoreError(f"field 'finished' is null on a {r['status']} call")
+    for k, empty in (("choices", []), ("response", None), ("latency_s", None)):
+      if r[k] != empty or (r[k] is not None and empty is None):
+        raise StoreError(f"field {k!r} is set on a call without a result (finished is null)")
   return r
 
 
