@@ -120,6 +120,10 @@ def _row_to_task(row: Any, fields: _Fields, default_id: str) -> Task:
   """A Task from one row; raises TaskError with a message naming the field (not the place)."""
   if not isinstance(row, dict):
     raise TaskError(f"expected a JSON object, got {type(row).__name__}")
+  for k, v in row.items():  # a lone "\ud800" escape is no text: hashing or tokenizing it fails
+    if _has_surrogate(k) or _has_surrogate(v):
+      name = repr(k) if not _has_surrogate(k) else "with a lone surrogate in its name"
+      raise TaskError(f"field {name} holds a lone surrogate escape (\\ud800-\\udfff), not text")
   for name, what in ((fields.prompt, "prompt"), (fields.answer, "answer")):
     if name not in row:
       hint = (f"; set TaskBankConfig.{what}_field if the {what} is in another field"
@@ -144,6 +148,14 @@ def _row_to_task(row: Any, fields: _Fields, default_id: str) -> Task:
     raise TaskError(str(e).replace(f"task {task_id!r}: ", "")) from None
 
 
+def _has_surrogate(value: Any) -> bool:
+  try:
+    json.dumps(value, ensure_ascii=False).encode("utf-8")
+  except UnicodeEncodeError:
+    return True
+  return False
+
+
 def _prompt_key(task: Task) -> str:
   return json.dumps(task.prompt, sort_keys=True, ensure_ascii=False)
 
@@ -161,9 +173,8 @@ class _Scan:
     if len(self.errors) < _MAX_REPORTED_ERRORS:
       self.errors.append(f"{place}: {msg}")
 
-  def check_id(self, task: Task, place: str, explicit: bool):
-    if not explicit:
-      return
+  def check_id(self, task: Task, place: str):
+    # a default id ("<file>:<line>") is unique among defaults but can meet an explicit one
     first = self.ids.setdefault(task.id, place)
     if first != place:
       self.add(place, f"duplicate id {task.id!r} (first seen at {first})")
@@ -213,8 +224,7 @@ class JsonlSource:
         task = self._parse(raw, lineno, scan)
         if task is None:
           continue
-        scan.check_id(task, f"{path}:{lineno}",
-                      explicit=task.id != f"{self._name}:{lineno}")
+        scan.check_id(task, f"{path}:{lineno}")
         offsets.append(start)
         lengths.append(len(raw))
         lines.append(lineno)
@@ -234,6 +244,10 @@ class JsonlSource:
       msg = f"not UTF-8 text ({e.reason} at byte {e.start})"
     except json.JSONDecodeError as e:
       msg = f"not valid JSON ({e.msg} at column {e.colno})"
+    except RecursionError:
+      msg = "not JSON we read (nested too deeply)"
+    except ValueError as e:  # an integer of more than 4300 digits
+      msg = f"not JSON we read ({str(e).split(';')[0]})"
     else:
       try:
         return _row_to_task(row, self._fields, f"{self._name}:{lineno}")
@@ -280,7 +294,6 @@ class _ArrowRowsSource:
                           "set TaskBankConfig.prompt_field / answer_field")
     scan = _Scan(where)
     held_out = []
-    has_id = f.id in columns
     for i, row in enumerate(self._scan_rows([c for c in (f.prompt, f.answer, f.id)
                                              if c in columns])):
       try:
@@ -289,8 +302,7 @@ class _ArrowRowsSource:
         scan.add(f"{where} row {i}", str(e))
         held_out.append(False)
         continue
-      explicit = has_id and row.get(f.id) not in (None, "")
-      scan.check_id(task, f"{where} row {i}", explicit=explicit)
+      scan.check_id(task, f"{where} row {i}")
       held_out.append(is_held_out(_prompt_key(task), eval_fraction))
     scan.raise_if_any(len(held_out))
     self.held_out = np.asarray(held_out, bool)
