@@ -54,27 +54,34 @@ def flags_parser(default: str) -> Callable[[list[str]], list[str]]:
   return lambda argv: _parse_flags(argv, default)
 
 
-def _parse_flags(argv: list[str], default: str) -> list[str]:
+def _parse_flags(argv: list[str], default: str,
+                 flag_values: flags.FlagValues = flags.FLAGS) -> list[str]:
   """absl's flag parsing, with a mistake in the flags raised as a UserError.
 
   ml_collections applies the `--config.<field>` overrides while the `--config` flag is defined
   (default config file) or parsed (`--config=<file>`), so the flag is defined here, not at
   import. absl's app.run turns an unset --verbosity into INFO after this parser returns
-  (marking it set, so `main` cannot tell); setting WARNING here keeps it.
+  (marking it set, so `main` cannot tell); setting WARNING here keeps it. `flag_values`: a
+  fresh `flags.FlagValues()` parses without touching the process's flags (tests).
   """
   config_arg = _config_arg(argv, default)
   if not os.path.isfile(config_arg.split(":", 1)[0]):
     raise UserError(f"--config={config_arg}: no such file")
   try:
-    config_flags.DEFINE_config_file("config", default, "Experiment config file.")
-    rest = flags.FLAGS(argv)
-  except flags.Error as e:
-    raise UserError(f"{e} (--helpfull lists the flags)") from None
-  except (KeyError, AttributeError):  # ml_collections' lookup of an unknown override
+    config_flags.DEFINE_config_file("config", default, "Experiment config file.",
+                                    flag_values=flag_values, sys_argv=argv)
+    rest = flag_values(argv)
+  except flags.Error as e:  # one line even when the value holds a newline
+    raise UserError(f"{e} (--helpfull lists the flags)".replace("\n", "\\n")) from None
+  except (KeyError, AttributeError, TypeError, ValueError):
+    # ml_collections' lookup of an unknown override: KeyError / AttributeError for a missing
+    # field, TypeError below a string field, ValueError below a field that is None
     problem = _unknown_override(argv, default)
     if problem is None:
       raise
-    raise UserError(problem) from None
+    raise UserError(problem.replace("\n", "\\n")) from None
+  if flag_values is not flags.FLAGS:
+    return rest
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
     # transformers warns at import that PyTorch is missing; we never use its torch models.

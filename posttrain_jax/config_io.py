@@ -9,6 +9,7 @@ through `dynamic`: {(owner class, field name): fn(sibling values) -> class}.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Callable, Mapping, Optional, Union
@@ -18,6 +19,9 @@ from posttrain_jax.errors import UserError
 
 class ConfigTypeError(UserError, TypeError):
   """A config value of the wrong type, or an unknown field; names the field path."""
+
+
+_INT64 = 1 << 63   # ints beyond int64 overflow numpy / jax; floats must be finite
 
 
 def _is_dc(cls) -> bool:
@@ -71,10 +75,16 @@ def _convert(value, tp, path: str, dynamic):
   if tp is float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       raise ConfigTypeError(f"{path}: expected float, got {type(value).__name__} {value!r}")
+    if isinstance(value, int) and abs(value) > _INT64:
+      value = math.inf          # float() of it would raise OverflowError
+    if not math.isfinite(value):  # no field means anything by inf or nan
+      raise ConfigTypeError(f"{path}: expected a finite float, got {value!r}")
     return float(value)
   if tp is int:
     if isinstance(value, bool) or not isinstance(value, int):
       raise ConfigTypeError(f"{path}: expected int, got {type(value).__name__} {value!r}")
+    if not -_INT64 <= value < _INT64:
+      raise ConfigTypeError(f"{path}: expected an int in [-2**63, 2**63), got {value!r:.40}")
     return value
   if tp in (str, bool):
     if not isinstance(value, tp):
@@ -109,10 +119,27 @@ def from_dict(cls, d: Mapping[str, Any], path: str = "config",
     kwargs[f.name] = _convert(value, tp, f"{path}.{f.name}", dynamic)
   try:
     return cls(**kwargs)
-  except (ValueError, TypeError, KeyError) as e:
+  except (ValueError, TypeError, KeyError, ArithmeticError) as e:
     if isinstance(e, ConfigTypeError):
       raise
-    raise ConfigTypeError(f"{path}: {e}") from None
+    msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    if not any(name in msg for name in kwargs):
+      blamed = _blame(cls, kwargs)
+      path = f"{path}.{blamed}" if blamed else path
+    raise ConfigTypeError(f"{path}: {msg}") from None
+
+
+def _blame(cls, kwargs: dict) -> Optional[str]:
+  """The one given field that alone (the others at their defaults) makes `cls` refuse, for a
+  `__post_init__` message that names no field (a registry's "unknown name 'x'")."""
+  if _defaults(cls) is None:
+    return None
+  for name, value in kwargs.items():
+    try:
+      cls(**{name: value})
+    except Exception:  # noqa: BLE001  (any refusal blames this field)
+      return name
+  return None
 
 
 def _has_default(f: dataclasses.Field) -> bool:
