@@ -19,8 +19,8 @@ import jax.numpy as jnp
 
 from posttrain_jax.errors import UserError
 from posttrain_jax.models import families
+from posttrain_jax.models.config_checks import SUPPORTED_ROPE_TYPES, check_hf_fields
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -113,7 +113,16 @@ def _rope(hf: dict) -> tuple[float, tuple[tuple[str, Any], ...]]:
   if "type" in params and "rope_type" not in params:
     params["rope_type"] = params.pop("type")
   params.setdefault("rope_type", "default")
-  return float(theta), tuple(sorted(params.items()))
+  return float(theta), tuple(sorted((k, _frozen(v)) for k, v in params.items()))
+
+
+def _frozen(value: Any) -> Any:
+  """JSON lists / objects as tuples, so that the config stays hashable (a jit static)."""
+  if isinstance(value, list):
+    return tuple(_frozen(v) for v in value)
+  if isinstance(value, dict):
+    return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+  return value
 
 
 # config.json fields that change attention in ways the decoder does not implement, with the
@@ -171,11 +180,13 @@ def _refuse_unimplemented_attention(hf: dict, path: str) -> None:
 
 def from_hf_dict(hf: dict, path: str = "config.json", **overrides) -> ModelConfig:
   """Translates a HF `config.json` dict into a ModelConfig (overrides: dtypes, remat)."""
+  check_hf_fields(hf, path, ConfigError)
   family = families.for_hf(hf)
   if family is None:
     raise ConfigError(
-        f"{path}: unsupported architecture {hf.get('architectures') or hf.get('model_type')!r}; "
-        f"supported: {', '.join(families.architectures())}")
+        f"{path}: unsupported architecture (architectures={hf.get('architectures')!r:.80}, "
+        f"model_type={hf.get('model_type')!r:.40}); supported: "
+        f"{', '.join(families.architectures())}")
   _refuse_unimplemented_attention(hf, path)
   if hf.get("hidden_act", "silu") != "silu":
     raise ConfigError(f"{path}: hidden_act={hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")

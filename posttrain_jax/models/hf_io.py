@@ -52,9 +52,13 @@ def read_model_config(path: os.PathLike, **overrides) -> ModelConfig:
   if not cfg_path.exists():
     raise PathNotFoundError(f"{path}: no config.json (is this a HF model directory?)")
   try:
-    hf = json.loads(cfg_path.read_text())
+    hf = json.loads(cfg_path.read_bytes().decode("utf-8"))
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"{cfg_path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
   except json.JSONDecodeError as e:
     raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
+  except (RecursionError, ValueError) as e:  # nested too deeply; an int of > 4300 digits
+    raise ConfigError(f"{cfg_path}: not JSON we read ({str(e).split(';')[0]})") from None
   return from_hf_dict(hf, str(cfg_path), **overrides)
 
 
