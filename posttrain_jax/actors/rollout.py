@@ -71,8 +71,8 @@ class RolloutConfig:
 def encode_messages(tokenizer, messages: list, tools: Optional[list] = None) -> list[int]:
   """A chat's ids through the tokenizer's chat template (generation prompt appended), with
   `tools` (OpenAI format) where the template shows them."""
-  out = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                      tokenize=True)
+  extra = {"tools": tools} if tools else {}   # a tool-free chat renders as it always did
+  out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
   ids = out["input_ids"] if hasattr(out, "keys") else out
   return list(ids)
 
