@@ -10,16 +10,15 @@ e.g. `--config.engine_config.dtype=float32 --config.engine_config.max_model_len=
 from ml_collections import config_dict
 
 from posttrain_jax.byoh.serve_config import ServeConfig
-from posttrain_jax.config_io import to_dict
+from posttrain_jax.config_io import config_dict_of, to_dict
 
 
 def get_config(engine: str = ""):
   c = config_dict.ConfigDict(to_dict(ServeConfig()))
   if engine:
     from posttrain_jax.engines.registry import engine_spec
-    from posttrain_jax.run_config import _config_dict
     c.engine = engine
-    c.engine_config = _config_dict(engine_spec(engine).config_cls())
+    c.engine_config = config_dict_of(engine_spec(engine).config_cls())
   else:
     c.engine_config = config_dict.placeholder(dict)
   c.model_path = config_dict.placeholder(str)

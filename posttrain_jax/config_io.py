@@ -153,6 +153,29 @@ def _defaults(cls):
     return None
 
 
+def config_dict_of(obj):
+  """A config dataclass tree as an ml_collections ConfigDict whose every field is a command-line
+  flag (`--config.<path>=value`): a None-valued `Optional[int | float | str | bool]` field becomes
+  a typed placeholder (ml_collections cannot override a plain None), a tuple a list."""
+  from ml_collections import config_dict
+
+  out = {}
+  hints = typing.get_type_hints(type(obj))
+  for f in dataclasses.fields(obj):
+    value = getattr(obj, f.name)
+    if dataclasses.is_dataclass(value):
+      out[f.name] = config_dict_of(value)
+    elif value is None:
+      args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
+      out[f.name] = (config_dict.placeholder(args[0]) if len(args) == 1
+                     and args[0] in (int, float, str, bool) else None)
+    elif isinstance(value, tuple):
+      out[f.name] = list(value)
+    else:
+      out[f.name] = value
+  return config_dict.ConfigDict(out)
+
+
 def to_dict(obj) -> Any:
   """A config dataclass tree as plain JSON-able dicts (for logs and checkpoints)."""
   if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

@@ -16,7 +16,7 @@ from posttrain_jax.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from posttrain_jax.batching import BatchConfig
 from posttrain_jax.byoh.trace_source import TraceSourceConfig
 from posttrain_jax.checkpoint import CheckpointConfig
-from posttrain_jax.config_io import from_dict
+from posttrain_jax.config_io import config_dict_of, from_dict
 from posttrain_jax.engines.registry import engine_names, engine_spec
 from posttrain_jax.envs import GENERATORS, TaskBankConfig
 from posttrain_jax.learner import LearnerConfig, OptimizerConfig
@@ -201,32 +201,10 @@ _DYNAMIC = {
 }
 
 
-def _config_dict(obj, hints_owner=None):
-  import typing
-
-  from ml_collections import config_dict
-
-  out = {}
-  hints = typing.get_type_hints(type(obj))
-  for f in dataclasses.fields(obj):
-    value = getattr(obj, f.name)
-    if dataclasses.is_dataclass(value):
-      out[f.name] = _config_dict(value)
-    elif value is None:
-      args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
-      out[f.name] = (config_dict.placeholder(args[0]) if len(args) == 1
-                     and args[0] in (int, float, str, bool) else None)
-    elif isinstance(value, tuple):
-      out[f.name] = list(value)
-    else:
-      out[f.name] = value
-  return config_dict.ConfigDict(out)
-
-
 def base_config():
   """Every RunConfig field with its default, as a ConfigDict (so any field can be overridden
   from the command line); `configs/*.py` start from this and change what they need."""
-  return _config_dict(RunConfig())
+  return config_dict_of(RunConfig())
 
 
 def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
