@@ -203,6 +203,18 @@ def _replicated(mesh: Optional[Mesh]):
           else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
 
+def optimizer_shardings(tx: optax.GradientTransformation, params, mesh: Optional[Mesh]):
+  """The shardings of `tx.init(params)`: every leaf shaped like a parameter (Adam's mu and nu)
+  sharded like that parameter, the rest (step counts) replicated. Left to the compiler,
+  `jit(tx.init)` replicates the zeros it makes, and every device holds the whole optimizer
+  state (8 bytes per parameter for AdamW in float32) however the parameters are sharded."""
+  rep = _replicated(mesh)
+  shardings = jax.tree.map(lambda p: p.sharding if isinstance(getattr(p, "sharding", None),
+                                                              NamedSharding) else rep, params)
+  return optax.tree_map_params(tx, lambda _, sh: sh, jax.eval_shape(tx.init, params), shardings,
+                               transform_non_params=lambda v: jax.tree.map(lambda _: rep, v))
+
+
 def abstract_train_state(model: Decoder, cfg: LearnerConfig,
                          mesh: Optional[Mesh] = None) -> TrainState:
   """The TrainState a `Learner(model, cfg, mesh=mesh)` would hold, as ShapeDtypeStructs with
@@ -219,14 +231,9 @@ def abstract_train_state(model: Decoder, cfg: LearnerConfig,
   params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                         nnx.to_pure_dict(params), nested)
   rep = _replicated(mesh)
-
-  def concrete(x):
-    sh = getattr(x, "sharding", None)
-    sh = NamedSharding(mesh, sh.spec) if mesh is not None and isinstance(sh, NamedSharding) else rep
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-
-  opt_state = jax.tree.map(concrete, jax.eval_shape(jax.jit(make_optimizer(cfg.optimizer).init),
-                                                    params))
+  tx = make_optimizer(cfg.optimizer)
+  opt_state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                           jax.eval_shape(tx.init, params), optimizer_shardings(tx, params, mesh))
   rng = jax.eval_shape(lambda: jax.random.key(cfg.seed))
   return TrainState(params=params, opt_state=opt_state,
                     step=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
@@ -254,7 +261,8 @@ class Learner:
     self.schedule = learning_rate_schedule(cfg.optimizer)
     if state is None:
       params = nnx.to_pure_dict(params)
-      opt_state = jax.jit(self.tx.init)(params)
+      opt_state = jax.jit(self.tx.init,
+                          out_shardings=optimizer_shardings(self.tx, params, mesh))(params)
       state = TrainState(params=params, opt_state=opt_state,
                          step=jnp.zeros((), jnp.int32), rng=jax.random.key(cfg.seed))
     del params
