@@ -36,6 +36,20 @@ class ModelSource:
   param_dtype: str = "float32"    # master weights
   compute_dtype: str = "float32"  # activations / matmuls
   remat: bool = False             # recompute block activations in the backward pass
+  arch: Optional[str] = None      # a published architecture (models/published.py) this run is
+                                  # sized for; then `path` is required (nothing is downloaded),
+                                  # and launch/aot_check.py checks memory from it without weights
+
+  def __post_init__(self):
+    if self.arch is None:
+      return
+    from posttrain_jax.models.published import hf_config
+    hf_config(self.arch)  # an unknown name lists the known ones
+    if not self.path:
+      raise ValueError(f"model.path is required: model.arch={self.arch!r} is sized for that "
+                       "checkpoint and nothing is downloaded; give --config.model.path=<a local "
+                       f"HF directory of {self.arch}> (config.json, *.safetensors, tokenizer). "
+                       "launch/aot_check.py checks its memory without one")
 
 
 @dataclasses.dataclass(frozen=True)
