@@ -86,13 +86,22 @@ def test_an_ema_teacher_resumes_bit_for_bit(tmp_path, loss):
 
 
 def test_an_ema_teacher_does_not_resume_a_checkpoint_without_one(tmp_path):
+  """A run started with another teacher is refused by the config check (rl.teacher.weights is
+  fixed on resume); an EMA checkpoint whose teacher item is gone is refused by name."""
+  import shutil
   from posttrain_jax.config_io import ConfigTypeError
-  assert Trainer(run_config_from_dict({**_as_dict(distill_run(tmp_path, steps=3)),
+  assert Trainer(run_config_from_dict({**_as_dict(distill_run(tmp_path / "s", steps=3)),
                                        "stop_after_step": 1}), log=lambda *_: None).run() is None
   ema = {"weights": "ema", "template": "{context} | {prompt}", "feedback_template": "{text}",
          "seq_len": 48}
+  with pytest.raises(ConfigTypeError, match="rl.teacher.weights: 'student' vs 'ema'"):
+    Trainer(distill_run(tmp_path / "s", steps=3, teacher=ema), log=lambda *_: None).run()
+  assert Trainer(run_config_from_dict({**_as_dict(distill_run(tmp_path / "e", steps=3,
+                                                              teacher=ema)),
+                                       "stop_after_step": 1}), log=lambda *_: None).run() is None
+  shutil.rmtree(tmp_path / "e" / "checkpoints" / "1" / "teacher")
   with pytest.raises(ConfigTypeError, match="holds no EMA teacher"):
-    Trainer(distill_run(tmp_path, steps=3, teacher=ema), log=lambda *_: None).run()
+    Trainer(distill_run(tmp_path / "e", steps=3, teacher=ema), log=lambda *_: None).run()
 
 
 def _as_dict(cfg):
