@@ -11,11 +11,26 @@ integer layer keys and optax's NamedTuples need no special handling; restore map
 arrays back onto the live state's tree structure and shardings. Other arrays the run carries
 (an EMA teacher's parameters) are saved the same way as named extra items (`arrays`), and
 restored by name into the structure and shardings of a live tree (`restore_arrays`).
+
+The side-car is copied when `save` is called (JSON round trip): with `async_save` orbax writes
+it later, and the caller's lists and dicts may have moved on by then. Temporary directories an
+interrupted save left behind are deleted by the next Checkpointer of the directory (in the
+background from its start, finished before its first save).
+
+Crash test hook: with `POSTTRAIN_JAX_CRASH_AT=<point>:<step>` in the environment, `crash_point`
+SIGKILLs the process at that point (tests/test_chaos.py, benchmarks/chaos_resume.py). The point
+`save:<step>` is inside this module's save of `step`: every item and orbax's commit marker
+written in the temporary directory, the rename that commits it not yet done (in the background
+thread with `async_save`); the trainer adds `export:<sft.steps>` (sft_model/ exported, the
+boundary checkpoint not yet written). Unset, the hook does nothing.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import pathlib
+import signal
 from typing import Any, Optional
 
 import jax
@@ -31,6 +46,31 @@ class CheckpointConfig:
   every_steps: int = 50           # save every N steps (and at the end); 0 = only at the end
   max_to_keep: int = 2            # older checkpoints are deleted
   async_save: bool = False        # save in a background thread (the step loop continues)
+
+
+CRASH_ENV = "POSTTRAIN_JAX_CRASH_AT"
+
+
+def crash_point(point: str, step: int) -> None:
+  """SIGKILLs this process if $POSTTRAIN_JAX_CRASH_AT is `<point>:<step>` (a test hook)."""
+  if os.environ.get(CRASH_ENV) == f"{point}:{step}":
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm_save_crash() -> None:
+  """Makes orbax's commit rename of a step directory call crash_point("save", step) first."""
+  from orbax.checkpoint._src.path import async_path
+  rename = async_path.rename
+  if getattr(rename, "crash_armed", False):
+    return
+
+  async def crashing_rename(src, dst):
+    if dst.name.isdigit():
+      crash_point("save", int(dst.name))
+    return await rename(src, dst)
+
+  crashing_rename.crash_armed = True
+  async_path.rename = crashing_rename
 
 
 def _key_data(rng):
@@ -72,8 +112,11 @@ class Checkpointer:
   def __init__(self, directory: str | pathlib.Path, cfg: CheckpointConfig = CheckpointConfig()):
     self.cfg = cfg
     self.directory = pathlib.Path(directory).absolute()
+    if os.environ.get(CRASH_ENV, "").startswith("save:"):
+      _arm_save_crash()
     options = ocp.CheckpointManagerOptions(max_to_keep=cfg.max_to_keep, create=True,
-                                           enable_async_checkpointing=cfg.async_save)
+                                           enable_async_checkpointing=cfg.async_save,
+                                           cleanup_tmp_directories=True)
     self._mngr = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> Optional[int]:
@@ -84,12 +127,14 @@ class Checkpointer:
 
   def save(self, step: int, state: TrainState, extra: dict,
            arrays: Optional[dict[str, Any]] = None) -> None:
-    """`arrays`: {item name: pytree of arrays} saved beside the state (e.g. "teacher")."""
+    """`arrays`: {item name: pytree of arrays} saved beside the state (e.g. "teacher"). `extra`
+    is copied now: what is saved is its value at this call, even when the write is async."""
     items = {name: ocp.args.StandardSave(_flat(tree)) for name, tree in (arrays or {}).items()}
     if {"state", "extra"} & set(items):
       raise ValueError(f"checkpoint item names 'state' and 'extra' are taken, got {sorted(items)}")
     self._mngr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(_flatten(state)), extra=ocp.args.JsonSave(extra), **items),
+        state=ocp.args.StandardSave(_flatten(state)),
+        extra=ocp.args.JsonSave(json.loads(json.dumps(extra))), **items),
         force=True)
 
   def wait(self) -> None:

@@ -45,7 +45,7 @@ from posttrain_jax.actors.rollout import SyncRollouts, draw_task, encode_message
 from posttrain_jax.byoh.online import OnlineServer
 from posttrain_jax.byoh.trace_source import TraceRollouts
 from posttrain_jax.advantages import BaselineState
-from posttrain_jax.checkpoint import Checkpointer
+from posttrain_jax.checkpoint import Checkpointer, crash_point
 from posttrain_jax.config_io import ConfigTypeError, to_dict
 from posttrain_jax.engines.base import SamplingParams
 from posttrain_jax.engines.registry import EngineContext, engine_spec
@@ -281,6 +281,7 @@ class Trainer:
       bar.set_postfix(phase="sft", loss=f"{metrics['sft/loss']:.3f}")
       if step + 1 == cfg.steps:
         self._export_sft(learner)  # before the boundary checkpoint: the boundary is atomic
+        crash_point("export", step + 1)
       self._save(step + 1, learner, force=step + 1 == cfg.steps)
       if self._stop(step + 1):
         return step + 1
