@@ -13,7 +13,10 @@ outputs     the new state is donated, so it aliases the old one; what is left is
 temporaries gradients, activations, the LM-head loss's scratch (one buffer-assignment peak);
             split by estimate: gradients = the params' shard bytes (×2 with micro-batches: the
             accumulator and the current micro-batch's), loss scratch = the temporaries of the
-            fused LM-head loss compiled alone on one micro-batch, activations = the rest;
+            fused LM-head loss compiled alone on one micro-batch, activations = the rest. With
+            fsdp "the rest" also holds each layer's all-gathered weights when the compiler
+            keeps them from the forward pass for the backward (measured: Qwen3-8B's row is
+            56 GiB with 1 or with 2 rows of 1024 tokens per device, so mostly weights);
 reference   the frozen start weights the RL phase keeps for ref_logp / the KL metric
             (`rl.reference_kl`), resident beside the step, sharded like the params.
 
@@ -225,7 +228,7 @@ def memory_report(c: Compiled, *, capacity_bytes: int, reference: bool,
       ("step, rng, padding (other arguments)", other_args, "measured"),
       ("outputs not aliased (metrics)", out, "measured"),
       ("gradients (in temporaries)", grads, "estimate"),
-      ("activations (in temporaries)", temp - grads - loss, "estimate"),
+      ("activations, gathered weights (in temps)", temp - grads - loss, "estimate"),
       ("loss scratch, LM head (in temporaries)", loss, "estimate"),
       ("generated code", compiler["generated_code_size_in_bytes"], "measured"),
       ("reference params (rl.reference_kl)", params if reference else 0, "exact"),

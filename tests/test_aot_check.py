@@ -150,7 +150,7 @@ def test_report_parts_are_the_bytes_the_shardings_imply(tmp_path):
   assert report.total_bytes == sum(parts.values())
   assert report.capacity_bytes == int(141 * aot.GIB * 0.7)   # vLLM's 30 % of GPU 0
   assert report.fits and report.result_line().endswith("fits=1")
-  assert parts["activations (in temporaries)"] > 0 and parts["gradients (in temporaries)"] > 0
+  assert parts["activations, gathered weights (in temps)"] > 0 and parts["gradients (in temporaries)"] > 0
 
 
 def _cli(*args, timeout=900):
@@ -169,7 +169,7 @@ def test_cli_refuses_a_config_that_cannot_fit_with_the_numbers(tmp_path):
   assert out.stdout.strip().endswith("capacity_gb=0.01 fits=0")
   err = out.stderr.strip().splitlines()[-1]
   assert err.startswith("error: does not fit: ") and "capacity 0.01 GiB" in err
-  for part in ("params", "optimizer state", "activations", "reference params"):
+  for part in ("params", "optimizer state", "activations, gathered weights", "reference params"):
     assert part in err
   fits = _cli("--config=" + str(ROOT / "configs" / "qwen3.py") + ":0.6b,v5e8",
               f"--config.model.path={small_dir(tmp_path)}", *SMALL_FLAGS)
