@@ -12,26 +12,20 @@ whole next-token distribution through the teacher's hidden states and head inste
 sampled token's log-prob. The student defaults to configs/default.py's tiny model on 2-digit
 addition; held-out accuracy is still graded.
 """
-from posttrain_jax.run_config import base_config
+from posttrain_jax.configs.default import get_config as default_config
 
 
 def get_config():
-  c = base_config()
+  c = default_config()    # the tiny student on 2-digit addition, without its SFT phase
   c.workdir = "runs/distill_external"
-  c.model.tiny.update(family="qwen3", vocab_size=512, hidden_size=128, intermediate_size=384,
-                      num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, seed=0)
-  c.tasks.update(source="synthetic", generator="arithmetic", seed=0, eval_fraction=0.05,
-                 eval_size=256)
-  c.tasks.generator_config = dict(min_digits=2, max_digits=2, num_operands=2, ops="+",
-                                  allow_negative=False)
   c.sft.steps = 0
   c.rl.update(steps=200, prompts_per_step=32, reference_kl=False)
-  c.rl.rollout.update(group_size=1, max_tokens=12, temperature=1.0)
+  c.rl.rollout.update(group_size=1)
   c.rl.advantage.estimator = "running"   # one sample per prompt; no RL term (rl_coef 0)
   c.rl.learner.update(loss="sampled_distill")
-  c.rl.learner.optimizer.update(learning_rate=1e-4, warmup_steps=5)
+  c.rl.loss = dict()
   c.rl.teacher.update(weights="checkpoint", context="none", seq_len=32, checkpoint="")
-  c.rl.batch.update(rows=32, seq_len=32, max_seqs=32, pack=False)
-  c.eval.update(every_steps=50, samples_per_prompt=4, temperature=1.0, max_tokens=12)
+  c.rl.batch.update(rows=32, max_seqs=32)
+  c.eval.every_steps = 50
   c.checkpoint.update(every_steps=50, max_to_keep=2)
   return c
