@@ -74,3 +74,25 @@ def test_kv_cache_decoding_equals_full_forward(family, tmp_path):
   m = seg.astype(bool)
   assert np.abs(got[m] - full[m]).max() <= 1e-4
   assert int(cache.index) == prompt + steps
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_files_are_filled_greedily_up_to_max_shard_bytes(dtype, tmp_path):
+  """The file plan is made from shapes before any tensor is gathered: it must be the greedy
+  split of the tensors as written (in the export dtype), each file within the limit unless a
+  lone tensor exceeds it."""
+  from tests.learner_testing import small_model
+  model, limit = small_model(), 9_000
+  hf_io.save_hf_model(model, tmp_path / "m", dtype=dtype, max_shard_bytes=limit)
+  index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
+  want, size = [[]], 0
+  for name, arr in hf_io.hf_tensors(model, dtype):
+    if want[-1] and size + arr.nbytes > limit:
+      want.append([])
+      size = 0
+    want[-1].append(name)
+    size += arr.nbytes
+  files = sorted(set(index["weight_map"].values()))
+  assert [sorted(n for n, f in index["weight_map"].items() if f == fname) for fname in files] \
+      == [sorted(names) for names in want]
+  assert index["metadata"]["total_size"] == sum(a.nbytes for _, a in hf_io.hf_tensors(model, dtype))

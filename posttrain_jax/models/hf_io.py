@@ -141,16 +141,23 @@ def load_hf_model(path: os.PathLike, mesh: Optional[Mesh] = None, rules=shd.DEFA
   return nnx.merge(graphdef, state)
 
 
+def _export_dtype(dtype: Optional[str]):
+  import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
+  if dtype is None:
+    return None
+  return np.dtype({"float32": np.float32, "bfloat16": ml_dtypes.bfloat16,
+                   "float16": np.float16}[dtype])
+
+
 def hf_tensors(model: Decoder, dtype: Optional[str] = None) -> Iterator[tuple[str, np.ndarray]]:
   """(HF name, host numpy array) for every parameter, one at a time, in HF layout.
 
-  Multi-process: arrays not fully addressable are all-gathered (every process must call).
+  Multi-process: an array that is not fully addressable is all-gathered, one tensor per
+  collective, so every process must iterate to the end, in step with the others.
   """
-  import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
   from jax.experimental import multihost_utils
 
-  np_dtype = None if dtype is None else np.dtype(
-      {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype])
+  np_dtype = _export_dtype(dtype)
   for ours, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     name, transpose = hf_name(ours)
     arr = var[...]
@@ -160,37 +167,43 @@ def hf_tensors(model: Decoder, dtype: Optional[str] = None) -> Iterator[tuple[st
     yield name, (host if np_dtype is None else host.astype(np_dtype))
 
 
-def save_hf_model(model: Decoder, out_dir: os.PathLike, *, tokenizer_dir: Optional[os.PathLike] = None,
-                  dtype: Optional[str] = None, max_shard_bytes: int = 2 << 30) -> pathlib.Path:
-  """Exports to a HF directory (config.json, safetensors shards, tokenizer files).
+class ExportError(RuntimeError):
+  """Process 0 failed to write an export; raised on the other processes (process 0 raises the
+  cause itself)."""
 
-  The directory appears atomically: written next to `out_dir` and renamed into place, so a
-  crash never leaves a half-written checkpoint. Only process 0 writes.
-  """
-  out_dir = pathlib.Path(out_dir)
-  cfg = model.cfg if dtype is None else model.cfg.replace(param_dtype=dtype)
-  tensors = hf_tensors(model, dtype)
-  if jax.process_index() != 0:
-    for _ in tensors:  # take part in the all-gathers
-      pass
-    return out_dir
+
+def _shard_plan(model: Decoder, dtype: Optional[str], max_shard_bytes: int) -> list[list[str]]:
+  """HF names grouped into safetensors files of at most `max_shard_bytes` (a tensor larger than
+  that gets a file of its own), in `hf_tensors` order, from the shapes alone."""
+  np_dtype = _export_dtype(dtype)
+  shards, size = [[]], 0
+  for ours, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    itemsize = np.dtype(var.dtype if np_dtype is None else np_dtype).itemsize
+    nbytes = int(np.prod(var.shape, dtype=np.int64)) * itemsize
+    if shards[-1] and size + nbytes > max_shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(hf_name(ours)[0])
+    size += nbytes
+  return shards
+
+
+def _write_export(tensors: Iterator[tuple[str, np.ndarray]], plan: list[list[str]], cfg,
+                  out_dir: pathlib.Path, tokenizer_dir: Optional[os.PathLike]) -> None:
+  """Writes the directory from `tensors`, each safetensors file as soon as its last tensor
+  arrives (host memory: one file's tensors), all under a temporary name renamed at the end."""
   with atomic_directory(out_dir) as tmp:
-    shards, current, size = [], [], 0
-    for name, arr in tensors:
-      if current and size + arr.nbytes > max_shard_bytes:
-        shards.append(current)
-        current, size = [], 0
-      current.append((name, arr))
-      size += arr.nbytes
-    shards.append(current)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-      fname = ("model.safetensors" if len(shards) == 1
-               else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+    weight_map, total = {}, 0
+    for i, names in enumerate(plan):
+      fname = ("model.safetensors" if len(plan) == 1
+               else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors")
+      shard = [next(tensors) for _ in names]
+      assert [n for n, _ in shard] == names, "hf_tensors and _shard_plan disagree on the order"
       write_safetensors(tmp / fname, shard)
-      weight_map.update({name: fname for name, _ in shard})
-    if len(shards) > 1:
-      total = sum(arr.nbytes for shard in shards for _, arr in shard)
+      weight_map.update({name: fname for name in names})
+      total += sum(arr.nbytes for _, arr in shard)
+      del shard
+    if len(plan) > 1:
       (tmp / "model.safetensors.index.json").write_text(json.dumps(
           {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     (tmp / "config.json").write_text(json.dumps(to_hf_dict(cfg), indent=2))
@@ -199,6 +212,43 @@ def save_hf_model(model: Decoder, out_dir: os.PathLike, *, tokenizer_dir: Option
         src = pathlib.Path(tokenizer_dir) / fname
         if src.exists():
           shutil.copy2(src, tmp / fname)
+
+
+def save_hf_model(model: Decoder, out_dir: os.PathLike, *, tokenizer_dir: Optional[os.PathLike] = None,
+                  dtype: Optional[str] = None, max_shard_bytes: int = 2 << 30) -> pathlib.Path:
+  """Exports to a HF directory (config.json, safetensors shards, tokenizer files).
+
+  The directory appears atomically: written next to `out_dir` and renamed into place, so a
+  crash never leaves a half-written checkpoint. Process 0 holds one safetensors file's
+  tensors in host memory at a time (`max_shard_bytes`).
+
+  Multi-process: every process must call it. Every process takes part in gathering the
+  sharded parameters; only process 0 writes; every process returns only once `out_dir` is in
+  place (a barrier after the write). If process 0 fails to write, nothing is left behind and
+  every process raises: process 0 the cause, the others an `ExportError`.
+  """
+  out_dir = pathlib.Path(out_dir)
+  cfg = model.cfg if dtype is None else model.cfg.replace(param_dtype=dtype)
+  plan = _shard_plan(model, dtype, max_shard_bytes)
+  tensors = hf_tensors(model, dtype)
+  if jax.process_count() == 1:
+    _write_export(tensors, plan, cfg, out_dir, tokenizer_dir)
+    return out_dir
+  from jax.experimental import multihost_utils
+  error = None
+  if jax.process_index() == 0:
+    try:
+      _write_export(tensors, plan, cfg, out_dir, tokenizer_dir)
+    except Exception as e:  # re-raised below, once the others are released
+      error = e
+  for _ in tensors:  # the others' gathers (and process 0's, after a failed write) need everyone
+    pass
+  ok = multihost_utils.broadcast_one_to_all(np.int32(error is None))  # the barrier
+  if error is not None:
+    raise error
+  if not int(ok):
+    raise ExportError(f"process 0 failed to write {out_dir} (its log has the cause); nothing "
+                      "was left behind")
   return out_dir
 
 
@@ -214,4 +264,4 @@ def load_tokenizer(path: os.PathLike):
 
 __all__ = ["read_model_config", "load_hf_model", "save_hf_model", "hf_tensors", "hf_name",
            "init_model", "abstract_model", "param_shardings", "load_tokenizer",
-           "CheckpointError", "ConfigError", "SafetensorsError"]
+           "CheckpointError", "ConfigError", "ExportError", "SafetensorsError"]

@@ -1,0 +1,58 @@
+"""Local multi-process JAX jobs for tests: N Python processes joined by `jax.distributed`.
+
+Each process runs `code` with `devices` CPU devices of its own
+(`--xla_force_host_platform_device_count`), the project on its path, and the environment that
+`sharding.initialize_distributed()` reads; together they form one job of N x devices devices.
+A job that has not finished within `timeout` seconds is killed and the test fails (a
+collective that one process never enters hangs the others: that must fail, not hang).
+"""
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+from typing import Sequence
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_processes(code: str, cwd: os.PathLike, *, processes: int = 2, devices: int = 2,
+                  args: Sequence[str] = (), timeout: float = 120) -> list[str]:
+  """Runs `code` (`python -c code *args`) as processes 0..N-1 of one JAX job; returns each
+  one's stdout, in process order. Fails the test, with every process's stderr tail, if one
+  exits non-zero or the job outlives `timeout`."""
+  port = free_port()
+  base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  procs = []
+  for i in range(processes):
+    env = {**base, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(processes),
+           "JAX_PROCESS_ID": str(i), "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), base.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    procs.append(subprocess.Popen([sys.executable, "-c", code, *args], env=env, cwd=cwd,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+  outs, timed_out = [], False
+  for p in procs:
+    try:
+      outs.append(p.communicate(timeout=timeout if not timed_out else 5))
+    except subprocess.TimeoutExpired:
+      timed_out = True
+      for q in procs:
+        q.kill()
+      outs.append(p.communicate())
+  report = "\n".join(f"--- process {i} (exit {p.returncode}) stderr tail:\n{err[-1500:]}"
+                     for i, (p, (_, err)) in enumerate(zip(procs, outs)))
+  if timed_out:
+    pytest.fail(f"the {processes}-process job did not finish within {timeout} s\n{report}",
+                pytrace=False)
+  if any(p.returncode for p in procs):
+    pytest.fail(f"a process of the {processes}-process job failed\n{report}", pytrace=False)
+  return [out for out, _ in outs]
