@@ -11,10 +11,19 @@ The console shows the progress bar, the held-out lines and the RESULT line; libr
 the user's (`posttrain_jax.errors.UserError`: a config field, a path, a data file, a model
 directory; also a bad flag) ends the run with one `error: ...` line and exit status 1; any
 other exception is a bug and shows its traceback.
+
+SIGTERM or SIGINT (a preemption, Ctrl-C) stops the run at the next step boundary: the step in
+progress finishes, a checkpoint of the current step is written, the line `preempted at step k:
+checkpoint written, resume with the same command` is printed and the exit status is 0; running
+the same command again resumes from that checkpoint. A second SIGTERM / SIGINT during that
+shutdown ends the process at once (the signal's default action; the previous checkpoint stays).
 """
+import os
 import pathlib
 import shutil
+import signal
 import sys
+import threading
 
 from absl import app, flags
 
@@ -28,9 +37,24 @@ _DISTRIBUTED = flags.DEFINE_bool("distributed", False,
                                  "Join a multi-process JAX job (JAX_COORDINATOR_ADDRESS etc.).")
 
 
+def _stop_on_signals(preempt: threading.Event) -> None:
+  """SIGTERM / SIGINT set `preempt` once; then both get their default action back (exit now)."""
+  def handler(signum, frame):
+    del frame
+    preempt.set()
+    for s in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(s, signal.SIG_DFL)
+    os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint "
+                f"(send it again to exit at once)\n".encode())
+  for s in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(s, handler)
+
+
 def main(argv):
   if len(argv) > 1:
     raise UserError(f"unexpected argument(s) {argv[1:]}; flags look like --config.sft.steps=20")
+  preempt = threading.Event()
+  _stop_on_signals(preempt)   # first thing: a preemption during start-up is a clean stop too
   from posttrain_jax import sharding
   if _DISTRIBUTED.value:
     sharding.initialize_distributed()
@@ -43,7 +67,10 @@ def main(argv):
   cfg = run_config_from_dict(raw)
   if not _RESUME.value:
     shutil.rmtree(pathlib.Path(cfg.workdir) / "checkpoints", ignore_errors=True)
-  result = Trainer(cfg).run()
+  trainer = Trainer(cfg, preempt=preempt)
+  result = trainer.run()
+  if trainer.preempted_at is not None:
+    return                    # the trainer printed the "preempted at step k" line
   if result is None:
     print(f"stopped at step {cfg.stop_after_step}; rerun with the same --workdir to resume")
     return

@@ -21,6 +21,14 @@ batch of a step may come from older policy versions (at most `rl.replay.max_stal
 corrected off-policy (`rl.async_correction`, TIS by default); the checkpoint also holds the
 replay queue and unfinished work (no trajectory lost or trained twice on resume; data order is
 not reproduced).
+
+Preemption (`preempt`, a threading.Event: launch/train.py sets it on SIGTERM / SIGINT): the run
+stops at the next step boundary (the step in progress is finished), closes the rollout source
+(async: in-flight episodes finish within `rl.pool.shutdown_grace_s` and are saved as queued
+groups, the rest are cut and saved as unfinished work, re-run on resume), writes a checkpoint
+at the current step unless one is there, waits for it, logs "preempted at step k: checkpoint
+written, resume with the same command" and returns None (`preempted_at` = k). The resumed run
+equals an uninterrupted one bit for bit in sync mode, as any resume does.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ import base64
 import dataclasses
 import json
 import pathlib
+import threading
 import time
 import zlib
 from typing import Any, Optional
@@ -71,9 +80,12 @@ _FIXED_ON_RESUME = ("seed", "model", "tasks", "sft.steps", "sft.batch_size", "sf
 class Trainer:
   """Wires the parts of a RunConfig together and runs it (resuming from the workdir)."""
 
-  def __init__(self, cfg: RunConfig, log=None):
+  def __init__(self, cfg: RunConfig, log=None, preempt: Optional[threading.Event] = None):
+    """`preempt`: once set, the run checkpoints at the next step boundary and stops."""
     from tqdm import tqdm
     self.cfg = cfg
+    self.preempt = preempt
+    self.preempted_at: Optional[int] = None   # the step a preempted run checkpointed and stopped
     self.log = log or tqdm.write   # a line above the progress bar, not inside it
     self.workdir = pathlib.Path(cfg.workdir)
     self.model_dir = (pathlib.Path(cfg.model.path) if cfg.model.path
@@ -117,6 +129,7 @@ class Trainer:
     self._engine_obj = None                   # the RL phase's engine (closed at the end)
     self._source_state: Optional[dict] = None  # its checkpointed state, restored when it starts
     self._drawn = 0                            # SFT tasks drawn (for the exhausted-data message)
+    self._saved: Optional[int] = None          # the step of the last checkpoint (written or read)
 
   # ------------------------------------------------------------------ checks
   def _check_data_budget(self) -> None:
@@ -181,6 +194,7 @@ class Trainer:
       t = self._teacher_obj
       arrays = ({"teacher": t.ema_params} if t is not None and t.cfg.weights == "ema" else None)
       self.ckpt.save(step, learner.state, self._extra(step), arrays=arrays)
+      self._saved = step
 
   def evaluate(self, engine) -> dict[str, float]:
     """Mean reward on the held-out tasks: sampled at the policy temperature, and greedy."""
@@ -260,6 +274,8 @@ class Trainer:
     cfg = self.cfg.sft
     learner = self._learner(self.model_dir, cfg.learner, restore_step=start if resume else None)
     eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+    if self._preempted(start, learner):
+      return start
     for step in range(start, cfg.steps):
       t0 = time.perf_counter()
       trajs = []
@@ -282,6 +298,8 @@ class Trainer:
       if step + 1 == cfg.steps:
         self._export_sft(learner)  # before the boundary checkpoint: the boundary is atomic
         crash_point("export", step + 1)
+      if self._preempted(step + 1, learner):
+        return step + 1
       self._save(step + 1, learner, force=step + 1 == cfg.steps)
       if self._stop(step + 1):
         return step + 1
@@ -320,6 +338,8 @@ class Trainer:
       writer.write(start, dict(self.heldout_before))
       self.log(f"held-out before RL: {_fmt(self.heldout_before)}")
     sft_steps = self.cfg.sft.steps
+    if self._preempted(start, learner):
+      return start
     for step in range(start, self.total_steps):
       version = step - sft_steps
       t0 = time.perf_counter()
@@ -339,6 +359,8 @@ class Trainer:
       bar.update(1)
       bar.set_postfix(phase="rl", reward=f"{metrics['reward/mean']:.3f}",
                       loss=f"{metrics.get('loss', float('nan')):.4f}")
+      if self._preempted(step + 1, learner):
+        return step + 1
       self._save(step + 1, learner, force=step + 1 == self.total_steps)
       if self._stop(step + 1):
         return step + 1
@@ -384,6 +406,29 @@ class Trainer:
   def _stop(self, step: int) -> bool:
     return self.cfg.stop_after_step is not None and step >= self.cfg.stop_after_step
 
+  def _preempted(self, step: int, learner: Optional[Learner]) -> bool:
+    """At a step boundary (`step` steps done, before its regular save): if preemption was asked
+    for, stop the rollout source, then make sure a finished checkpoint of `step` exists (the
+    source's state is taken after it stopped), say so, and return True."""
+    if self.preempted_at is not None:
+      return True
+    if self.preempt is None or not self.preempt.is_set():
+      return False
+    if self._source is not None:
+      self._source.close()    # async: episodes in flight finish (grace) or go back to the backlog
+    if self._saved != step:   # (learner None only where the step was just saved)
+      self._save(step, learner, force=True)
+    self.ckpt.wait()
+    self.preempted_at = step
+    note = ""
+    if isinstance(self._source, AsyncRollouts):
+      q = self._source.queue.state()
+      note = (f" ({len(q['ready'])} finished groups saved, {len(q['backlog'])} unfinished "
+              "tasks saved to re-run)")
+    self.log(f"preempted at step {step}: checkpoint written, resume with the same "
+             f"command{note}")
+    return True
+
   # ------------------------------------------------------------------ the run
   def run(self) -> Optional[dict]:
     """Runs (or resumes) to the end; returns the result dict (None if stopped early)."""
@@ -402,6 +447,7 @@ class Trainer:
       self._source_state = extra.get("rollouts")
       b = extra.get("baseline") or {}
       self.baseline = BaselineState(dict(b.get("task_means", {})), b.get("global_mean"))
+      self._saved = start
       self.log(f"resumed from {self.ckpt.directory}/{latest} (step {start})")
     writer = MetricsWriter(self.workdir, resume_step=start if latest is not None else None)
     (self.workdir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=1))
@@ -411,13 +457,13 @@ class Trainer:
       step = start
       if step < self.cfg.sft.steps:
         step = self._sft(step, latest is not None, bar, writer)
-        if step < self.cfg.sft.steps or self._stop(step):
+        if step < self.cfg.sft.steps or self._stop(step) or self._preempted(step, None):
           return None
       if self.cfg.sft.steps:
         self._ensure_sft_model()
       # a checkpoint at the boundary holds SFT state: RL starts from sft_model/
       step = self._rl(step, latest is not None and start > self.cfg.sft.steps, bar, writer)
-      if step < self.total_steps:
+      if step < self.total_steps or self.preempted_at is not None:
         return None
     finally:
       if self._source is not None:
