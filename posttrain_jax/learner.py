@@ -52,7 +52,7 @@ class OptimizerConfig:
 class LearnerConfig:
   """How the learner turns a TrainBatch into an update."""
   loss: str = "grpo"              # a name in the loss registry (posttrain_jax.losses)
-  micro_batches: int = 1          # rows are split into this many micro-batches (exact accumulation)
+  micro_batches: int = 1          # rows split into this many interleaved micro-batches (exact accumulation)
   temperature: float = 1.0        # log-probs are of softmax(logits / temperature), like the sampler
   logprob_impl: str = "auto"      # LM-head kernel: auto | reference | chunked | pallas_gpu | pallas_tpu
   fused_loss: bool = True         # separable losses: gradients in the kernel's forward pass
@@ -137,7 +137,15 @@ def _present_sequences(batch: TrainBatch) -> jax.Array:
 
 
 def split_micro_batches(batch: TrainBatch, m: int) -> TrainBatch:
-  """[B, ...] fields -> [m, B/m, ...]; seq_valid recomputed per micro-batch, stacked [m, S]."""
+  """[B, ...] fields -> [m, B/m, ...], interleaved: row r of micro-batch k is row r·m + k.
+  seq_valid is recomputed per micro-batch, stacked [m, S].
+
+  Why interleaved: rows are sharded over (data, fsdp) in contiguous blocks, so contiguous
+  micro-batches would each sit on 1/m of the devices (XLA all-gathers them onto every
+  device). Interleaved, micro-batch k has B/(m·shards) rows on every shard whenever
+  m·shards divides B, and each accumulation step runs on every device with no data moved.
+  Exactness is unaffected: a sequence lives in one row and the summed losses ignore order.
+  """
   rows = batch.input_ids.shape[0]
   if rows % m:
     raise ValueError(f"LearnerConfig.micro_batches={m} does not divide the batch's {rows} rows")
@@ -145,7 +153,7 @@ def split_micro_batches(batch: TrainBatch, m: int) -> TrainBatch:
   def split(name, x):
     if x is None or name == "seq_valid":
       return x
-    return x.reshape(m, rows // m, *x.shape[1:])
+    return x.reshape(rows // m, m, *x.shape[1:]).swapaxes(0, 1)
 
   fields = {f.name: split(f.name, getattr(batch, f.name)) for f in dataclasses.fields(batch)}
   stacked = TrainBatch(**fields)

@@ -150,3 +150,44 @@ def test_wrong_loss_config_type():
 def test_unknown_loss_lists_registered():
   with pytest.raises(KeyError, match="unknown loss 'grpoo'.*grpo.*sft"):
     L.Learner(small_model(), L.LearnerConfig(loss="grpoo"))
+
+
+@pytest.mark.devices(8)
+def test_micro_batches_span_every_device():
+  """Rows sharded over 8 devices, 2 micro-batches of 8 rows: each micro-batch is rows
+  k, k+2, ... (so every device holds 1 row of each), inside the jitted accumulation as well,
+  and the sharded gradients still equal the full batch's."""
+  from posttrain_jax import sharding as shd
+  from posttrain_jax.models import hf_io
+  from tests.learner_testing import CFG
+  mesh = shd.make_mesh(shd.MeshConfig(fsdp=8))
+  g, _, b, spec, lc = _setup("grpo", GRPOConfig(), n=16, rows=16, pack=False)
+  params = nnx.to_pure_dict(nnx.state(hf_io.init_model(CFG, 0, mesh), nnx.Param))
+  learner = L.Learner(hf_io.init_model(CFG, 0, mesh), L.LearnerConfig(loss="grpo"), mesh=mesh)
+  put = learner.put_batch(jax.device_get(b))
+  assert put.input_ids.sharding.shard_shape(put.input_ids.shape) == (2, 40)
+
+  micro = jax.jit(L.split_micro_batches, static_argnums=1)(put, 2)
+  for k in range(2):   # row r of micro-batch k is row 2r + k
+    np.testing.assert_array_equal(np.asarray(micro.input_ids[k]), np.asarray(b.input_ids)[k::2])
+  ids = micro.input_ids
+  assert len(ids.addressable_shards) == 8
+  assert {tuple(s.data.shape) for s in ids.addressable_shards} == {(2, 1, 40)}  # 1 row of each
+  assert len({s.index[1].start for s in ids.addressable_shards}) == 8   # 8 different rows
+
+  seen = []   # the micro-batch one accumulation step sees, as the compiler laid it out
+
+  def accumulate(batch):
+    def body(total, mb):
+      jax.debug.inspect_array_sharding(mb.input_ids, callback=seen.append)
+      return total + jnp.sum(mb.loss_mask), None
+    return jax.lax.scan(body, 0.0, L.split_micro_batches(batch, 2))[0]
+
+  assert float(jax.jit(accumulate)(put)) == float(jnp.sum(b.loss_mask))
+  assert seen[0].shard_shape((8, 40)) == (1, 40) and len(seen[0].device_set) == 8
+
+  full, m_full = _grads(g, params, put, spec, lc, micro_batches=1)
+  micro_g, m_micro = _grads(g, params, put, spec, lc, micro_batches=2)
+  _close(full, micro_g)
+  for k in m_full:
+    assert m_micro[k] == pytest.approx(m_full[k], rel=1e-5, abs=1e-6), k
