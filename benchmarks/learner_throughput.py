@@ -108,6 +108,9 @@ def main():
   ap.add_argument("--layers", type=int, default=8)
   ap.add_argument("--vocab", type=int, default=8192)
   ap.add_argument("--loss", default="sft", help="a registered loss (sft, grpo, ...)")
+  ap.add_argument("--micro_batches", type=int, default=1,
+                  help="LearnerConfig.micro_batches (must divide --batch); the layout on a "
+                       "sharded mesh is compared in benchmarks/micro_batch_layout.py")
   ap.add_argument("--repeats", type=int, default=5)
   args = ap.parse_args()
 
@@ -125,7 +128,8 @@ def main():
                                batching.BatchConfig(rows=b, seq_len=t, max_seqs=b, pack=False))
 
   peak = matmul_peak()
-  learner = L.Learner(hf_io.init_model(cfg, 0), L.LearnerConfig(loss=args.loss))
+  lcfg = L.LearnerConfig(loss=args.loss, micro_batches=args.micro_batches)
+  learner = L.Learner(hf_io.init_model(cfg, 0), lcfg)
   put = learner.put_batch(batch)
   step = lambda: learner._step(learner.state, put)  # state is donated only when consumed below
 
@@ -147,14 +151,14 @@ def main():
                     "flops_per_s": flops / p_best, "peak_fraction": flops / p_best / peak},
   }
   print(f"model: {cfg.num_params() / 1e6:.1f}M params, batch {b} x {t} tokens, loss {args.loss}; "
-        f"matmul peak {peak / 1e9:.1f} GFLOP/s (4096^2 fp32)")
+        f"{args.micro_batches} micro-batch(es); matmul peak {peak / 1e9:.1f} GFLOP/s (4096^2 fp32)")
   print(f"{'':<10} {'step s':>8} {'tokens/s':>10} {'GFLOP/s':>9} {'of peak':>8}")
   for name, r in rows.items():
     print(f"{name:<10} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} "
           f"{r['flops_per_s'] / 1e9:>9.1f} {r['peak_fraction']:>8.2f}")
   print(f"learner / plain time ratio: {l_best / p_best:.2f}")
   out = {"params": cfg.num_params(), "batch": b, "seq_len": t, "loss": args.loss,
-         "matmul_peak_flops": peak, **rows}
+         "micro_batches": args.micro_batches, "matmul_peak_flops": peak, **rows}
   with open(args.out, "w") as f:
     json.dump(out, f, indent=1)
   r = rows["learner"]
