@@ -146,10 +146,6 @@ def resumed_from(stdout: str) -> Optional[int]:
   return int(m.group(1)) if m else None
 
 
-def resumed_steps(stdout: str) -> list[int]:
-  """The steps every start in `stdout` (several runs' stdout) resumed from, in order."""
-  return [int(s) for s in _RESUMED.findall(stdout)]
-
 
 def preempted_at(stdout: str) -> Optional[int]:
   m = _PREEMPTED.search(stdout)
