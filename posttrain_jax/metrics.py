@@ -3,7 +3,11 @@
 Only process 0 writes. The JSONL file is appended and flushed every step, so a killed run
 keeps every step it finished; on resume, lines past the restored step are dropped first so
 the file never holds a step twice (the kept lines are written beside the file and renamed over
-it, so a kill during that rewrite leaves the old file whole). A last line cut by a kill
+it, so a kill during that rewrite leaves the old file whole). The trainer's checkpoints also
+record `rows`, the lines written when each was taken: given back as `resume_rows`, only those
+are kept, so a row of the checkpoint's own step written after it (the held-out eval after the
+SFT -> RL boundary checkpoint, the final eval) is not kept beside the one the resumed run
+writes again. A last line cut by a kill
 mid-write (no newline, not JSON) is the step that was being written: it is dropped with a
 warning, and any other line that is not a JSON object is an error naming its line.
 """
@@ -21,16 +25,19 @@ from posttrain_jax.errors import UserError
 
 class MetricsWriter:
   def __init__(self, workdir: str | pathlib.Path, tensorboard: bool = True,
-               resume_step: Optional[int] = None):
+               resume_step: Optional[int] = None, resume_rows: Optional[int] = None):
     self.workdir = pathlib.Path(workdir)
     self.path = self.workdir / "metrics.jsonl"
     self._enabled = jax.process_index() == 0
     self._tb = None
+    self.rows = 0                  # lines in the file (kept on resume + written)
     if not self._enabled:
       return
     self.workdir.mkdir(parents=True, exist_ok=True)
     if self.path.exists():
       keep = [r for r in read_metrics(self.path) if resume_step is not None and r["step"] <= resume_step]
+      keep = keep if resume_rows is None else keep[:resume_rows]
+      self.rows = len(keep)
       tmp = self.path.with_name(self.path.name + ".tmp")
       tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
       tmp.replace(self.path)
@@ -45,6 +52,7 @@ class MetricsWriter:
     row = {"step": step, **{k: _finite(v) for k, v in metrics.items()}}
     self._file.write(json.dumps(row) + "\n")
     self._file.flush()
+    self.rows += 1
     if self._tb is not None:
       for k, v in metrics.items():
         if isinstance(v, (int, float)) and math.isfinite(v):

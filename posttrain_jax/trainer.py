@@ -130,6 +130,7 @@ class Trainer:
     self._source_state: Optional[dict] = None  # its checkpointed state, restored when it starts
     self._drawn = 0                            # SFT tasks drawn (for the exhausted-data message)
     self._saved: Optional[int] = None          # the step of the last checkpoint (written or read)
+    self._writer: Optional[MetricsWriter] = None
 
   # ------------------------------------------------------------------ checks
   def _check_data_budget(self) -> None:
@@ -187,6 +188,7 @@ class Trainer:
             "rollouts": self._source.state() if self._source is not None else self._source_state,
             "baseline": {"task_means": dict(self.baseline.task_means),
                          "global_mean": self.baseline.global_mean},
+            "metrics_rows": self._writer.rows if self._writer is not None else None,
             "config": to_dict(self.cfg)}
 
   def _save(self, step: int, learner: Learner, force: bool = False) -> None:
@@ -435,7 +437,7 @@ class Trainer:
     from tqdm import tqdm
 
     t_start = time.perf_counter()
-    start = 0
+    start, rows = 0, None
     latest = self.ckpt.latest_step()
     if latest is not None:
       extra = self.ckpt.read_extra(latest)
@@ -448,8 +450,10 @@ class Trainer:
       b = extra.get("baseline") or {}
       self.baseline = BaselineState(dict(b.get("task_means", {})), b.get("global_mean"))
       self._saved = start
+      rows = extra.get("metrics_rows")   # None in checkpoints written before it was recorded
       self.log(f"resumed from {self.ckpt.directory}/{latest} (step {start})")
-    writer = MetricsWriter(self.workdir, resume_step=start if latest is not None else None)
+    writer = self._writer = MetricsWriter(
+        self.workdir, resume_step=start if latest is not None else None, resume_rows=rows)
     (self.workdir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=1))
     bar = tqdm(total=self.total_steps, initial=start, desc="train", dynamic_ncols=True,
                disable=jax.process_index() != 0)

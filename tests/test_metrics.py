@@ -4,8 +4,10 @@ import json
 
 import pytest
 
+from posttrain_jax.checkpoint import Checkpointer
 from posttrain_jax.metrics import MetricsFileError, MetricsWriter, read_metrics
 from posttrain_jax.trainer import Trainer
+from tests.test_trainer import tiny_run
 from tests.test_trainer_resume import QUIET, running_run
 
 
@@ -32,6 +34,30 @@ def test_resume_writer_keeps_steps_up_to_the_checkpoint_and_leaves_no_temp_file(
   w.close()
   assert read_metrics(path) == [{"step": 1}, {"step": 2}, {"step": 3}, {"step": 4, "loss": 1.0}]
   assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_resume_rows_keeps_only_the_lines_written_before_the_checkpoint(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in
+                          [{"step": 1}, {"step": 2}, {"step": 2, "eval": 0.5}, {"step": 3}]))
+  w = MetricsWriter(tmp_path, tensorboard=False, resume_step=2, resume_rows=2)
+  assert w.rows == 2
+  w.write(2, {"eval": 0.5})
+  w.close()
+  assert read_metrics(path) == [{"step": 1}, {"step": 2}, {"step": 2, "eval": 0.5}]
+  assert w.rows == 3
+
+
+def test_a_kill_after_the_boundary_checkpoint_logs_its_heldout_eval_once(tmp_path):
+  """The held-out eval before RL is written after the step-`sft.steps` checkpoint: a run stopped
+  (as if killed) before the next checkpoint re-evaluates on resume, and used to keep both rows."""
+  run = lambda **k: tiny_run(tmp_path, checkpoint={"every_steps": 4}, **k)  # noqa: E731
+  assert Trainer(run(stop_after_step=3), **QUIET).run() is None
+  assert Checkpointer(tmp_path / "checkpoints").latest_step() == 2
+  assert Trainer(run(), **QUIET).run() is not None
+  rows = read_metrics(tmp_path / "metrics.jsonl")
+  assert [r["step"] for r in rows if "eval/accuracy" in r] == [2, 4, 6]   # before, every 2, end
+  assert [r["step"] for r in rows if "data/hash" in r] == list(range(1, 7))
 
 
 def test_a_run_killed_mid_line_resumes(tmp_path):
