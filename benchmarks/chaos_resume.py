@@ -13,8 +13,9 @@ boundary (its save, or `export:<step>`: sft_model/ written, the boundary checkpo
 with `checkpoint.async_save=True` (the save in flight in orbax's thread), and in
 `rl.mode="async"`.
 A trial passes when every rerun resumed from the last checkpoint that was complete at the kill
-(no orbax temporary directory read, none left), finished, and: sync, its final params equal an
-uninterrupted run's bit for bit; async, no trajectory was lost or trained twice
+(no orbax temporary directory read, none left), finished with every step logged once in
+metrics.jsonl, and: sync, its final params equal an uninterrupted run's bit for bit; async, no
+trajectory was lost or trained twice
 (chaos_testing.async_accounting: the final checkpoint's replay counters, queue and unfinished
 work, and metrics.jsonl's per-step `replay/trained`).
 
@@ -100,6 +101,8 @@ def trial(i: int, rng: random.Random, root: pathlib.Path, ref) -> dict:
     problems.append(f"the kill left {kills[0]['temp']}")
   if rc == 0 and ct.temp_dirs(workdir):
     problems.append(f"left {ct.temp_dirs(workdir)}")
+  if rc == 0:
+    problems += ct.metrics_problems(workdir)
   if rc == 0 and mode == "async":
     acc = ct.async_accounting(workdir)
     row.update(lost=acc["lost"], duplicated=acc["duplicated"], accounting=acc)

@@ -152,6 +152,17 @@ def preempted_at(stdout: str) -> Optional[int]:
   return int(m.group(1)) if m else None
 
 
+def metrics_problems(workdir: pathlib.Path, sft_steps: int = SFT_STEPS,
+                     total: int = TOTAL_STEPS) -> list[str]:
+  """What is wrong with a finished run's metrics.jsonl: a training step missing or logged twice,
+  the held-out eval before RL (at step sft_steps) not logged exactly once."""
+  rows = read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
+  steps = [r["step"] for r in rows if "data/hash" in r]
+  before = [r for r in rows if r["step"] == sft_steps and "eval/accuracy" in r]
+  out = [] if steps == list(range(1, total + 1)) else [f"training rows at steps {steps}"]
+  return out + ([] if len(before) == 1 else [f"{len(before)} held-out-before rows"])
+
+
 def weights(workdir: pathlib.Path) -> dict[str, np.ndarray]:
   ck = Checkpoint(pathlib.Path(workdir) / "final_model")
   return {n: np.array(a) for n, a in ck.items()}
