@@ -100,16 +100,20 @@ def test_signal_stops_with_a_checkpoint_and_the_rerun_resumes_bit_for_bit(tmp_pa
 
 @pytest.mark.slow
 def test_a_second_sigterm_exits_at_once(tmp_path, reference):
-  """Signalled while the first RL step compiles (seconds): the second signal ends the process
-  before that step finishes; the boundary checkpoint is the latest and the rerun resumes."""
+  """Signalled right after the held-out eval before RL: the second signal, sent as soon as the
+  first is acknowledged, ends the process by SIGTERM (not exit 0). Where the first signal lands
+  is a race (usually inside the first RL step's compile; on a fast machine before that step
+  starts, when the boundary checkpoint is already there and the shutdown is only the exit): any
+  checkpoint that exists is complete, and the rerun resumes from the latest one bit for bit."""
   workdir = tmp_path / "run"
   p = ct.start(workdir)
   assert ct.wait_for(p, lambda: ct.has_row(workdir, ct.SFT_STEPS, "eval/accuracy"))
   p.send_signal(signal.SIGTERM)
   assert ct.wait_for(p, lambda: "SIGTERM: stopping" in _tail(workdir))
   assert ct.kill(p, signal.SIGTERM) == -signal.SIGTERM, _tail(workdir)
-  assert ct.preempted_at(pathlib.Path(f"{workdir}.out").read_text()) is None  # (unbuffered)
-  assert ct.committed(workdir)[-1] == ct.SFT_STEPS
+  latest = ct.committed(workdir)[-1]
+  assert latest in (ct.SFT_STEPS, ct.SFT_STEPS + 1)  # (a save cut by the second signal: a temp dir)
+  assert ct.preempted_at(pathlib.Path(f"{workdir}.out").read_text()) in (None, latest)
   rc, out = ct.run(workdir)
-  assert rc == 0 and ct.resumed_from(out) == ct.SFT_STEPS, out
+  assert rc == 0 and ct.resumed_from(out) == latest, out
   assert ct.same_weights(ct.weights(workdir), reference)
