@@ -10,6 +10,9 @@ SFT -> RL boundary checkpoint, the final eval) is not kept beside the one the re
 writes again. A last line cut by a kill
 mid-write (no newline, not JSON) is the step that was being written: it is dropped with a
 warning, and any other line that is not a JSON object is an error naming its line.
+
+`time_to_target(rows, metric, target)`: the step and training seconds at which a run's rows
+first reach a held-out accuracy.
 """
 from __future__ import annotations
 
@@ -99,6 +102,22 @@ def read_metrics(path: str | pathlib.Path) -> list[dict]:
                              "integer \"step\")")
     rows.append(row)
   return rows
+
+
+def time_to_target(rows: Iterable[dict], metric: str, target: float,
+                   clock: str = "time/train_s_total") -> Optional[tuple[int, float]]:
+  """`(step, rows[i][clock])` of the first row whose `metric` is ≥ `target`, or None if none is.
+
+  With the default clock that is the training seconds (evals excluded) a run took to reach a
+  held-out accuracy; the trainer writes the clock on every eval row.
+  """
+  for r in rows:
+    value = r.get(metric)
+    if value is not None and value >= target:
+      if clock not in r:
+        raise KeyError(f"row of step {r['step']} reaches {metric}={value} but has no {clock!r}")
+      return r["step"], r[clock]
+  return None
 
 
 def plot_run(rows: list[dict], out_png: str | pathlib.Path,

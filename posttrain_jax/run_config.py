@@ -18,7 +18,7 @@ from posttrain_jax.byoh.trace_source import TraceSourceConfig
 from posttrain_jax.checkpoint import CheckpointConfig
 from posttrain_jax.config_io import config_dict_of, from_dict
 from posttrain_jax.engines.registry import engine_names, engine_spec
-from posttrain_jax.envs import GENERATORS, TaskBankConfig
+from posttrain_jax.envs import GENERATORS, GRADERS, TaskBankConfig
 from posttrain_jax.learner import LearnerConfig, OptimizerConfig
 from posttrain_jax.losses import CISPOConfig, GRPOConfig, get_loss
 from posttrain_jax.losses.off_policy import CORRECTIONS
@@ -133,8 +133,36 @@ class EvalConfig:
   every_steps: int = 50           # evaluate every N RL steps (and before/after); 0 = only before/after
   samples_per_prompt: int = 4     # completions per held-out task at `temperature`
   temperature: float = 1.0        # the policy's sampling temperature (accuracy = mean reward)
-  greedy: bool = True             # also report greedy (temperature 0) accuracy
+  greedy: bool = True             # also report greedy (temperature 0) accuracy ("accuracy_greedy")
+  sampled: bool = True            # report sampled accuracy ("accuracy"); False + greedy = greedy only
   max_tokens: int = 16            # new tokens per completion
+  target_accuracy: Optional[float] = None  # end RL once an in-run eval's `target_metric` reaches
+                                  # this (checked every `every_steps`); None = run all rl.steps
+  target_metric: str = "accuracy_greedy"  # the metric held to the target: "accuracy" | "accuracy_greedy"
+
+  def __post_init__(self):
+    if not (self.sampled or self.greedy):
+      raise ValueError("EvalConfig.sampled and EvalConfig.greedy are both False: no held-out "
+                       "accuracy would be measured; keep at least one")
+    if self.sampled and self.samples_per_prompt < 1:
+      raise ValueError(f"EvalConfig.samples_per_prompt must be ≥ 1 with sampled=True, got "
+                       f"{self.samples_per_prompt}")
+    if self.target_metric not in EVAL_METRICS:
+      raise ValueError(f"EvalConfig.target_metric is {self.target_metric!r}; valid: {EVAL_METRICS}")
+    if self.target_accuracy is None:
+      return
+    if not 0.0 < self.target_accuracy <= 1.0:
+      raise ValueError(f"EvalConfig.target_accuracy must be in (0, 1], got {self.target_accuracy}")
+    measured = self.greedy if self.target_metric == "accuracy_greedy" else self.sampled
+    if not measured:
+      raise ValueError(f"EvalConfig.target_metric={self.target_metric!r} is not measured (greedy="
+                       f"{self.greedy}, sampled={self.sampled}): turn it on or pick the other")
+    if self.every_steps < 1:
+      raise ValueError(f"EvalConfig.target_accuracy is checked at in-run evals: every_steps must "
+                       f"be ≥ 1, got {self.every_steps}")
+
+
+EVAL_METRICS = ("accuracy", "accuracy_greedy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,14 +173,27 @@ class RunConfig:
   model: ModelSource = ModelSource()
   tasks: TaskBankConfig = TaskBankConfig()
   grader: str = "numeric"         # a name in posttrain_jax.envs.GRADERS
+  grader_config: Any = None       # that grader's config (class from the registry, e.g. numeric:
+                                  # {"pick": "first"}); None = defaults
   sft: SFTPhaseConfig = SFTPhaseConfig()
   rl: RLPhaseConfig = RLPhaseConfig()
   eval: EvalConfig = EvalConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   mesh: MeshConfig = MeshConfig()
   stop_after_step: Optional[int] = None  # end the process after this global step (tests, preemption drills)
+  train_budget_s: Optional[float] = None  # end RL once this many seconds were spent in training
+                                  # steps (time/train_s_total: SFT + RL, evals and saves excluded)
 
   def __post_init__(self):
+    try:
+      spec = GRADERS.get(self.grader)
+    except KeyError as e:             # the registry's message lists the registered names
+      raise ValueError(f"grader={self.grader!r}: {e.args[0]}") from None
+    if self.grader_config is not None and not isinstance(self.grader_config, spec.config_cls):
+      raise ValueError(f"grader_config is a {type(self.grader_config).__name__}; grader "
+                       f"{self.grader!r} takes a {spec.config_cls.__name__}")
+    if self.train_budget_s is not None and not self.train_budget_s > 0:
+      raise ValueError(f"train_budget_s must be > 0 seconds (or None), got {self.train_budget_s}")
     if self.sft.steps and self.sft.batch_size > self.sft.batch.max_seqs:
       raise ValueError(f"sft.batch_size={self.sft.batch_size} exceeds "
                        f"sft.batch.max_seqs={self.sft.batch.max_seqs}")
@@ -195,6 +236,11 @@ class RunConfig:
     spec = episode_spec(self.rl.episode)
     return self.rl.episode_config if self.rl.episode_config is not None else spec.config_cls()
 
+  def grader_cfg(self):
+    """The grader's config (`grader_config`, or its defaults)."""
+    spec = GRADERS.get(self.grader)
+    return self.grader_config if self.grader_config is not None else spec.config_cls()
+
   def engine_config(self):
     """The rollout engine's config (`rl.engine_config`, or its defaults)."""
     spec = engine_spec(self.rl.engine)
@@ -210,6 +256,7 @@ _DYNAMIC = {
     (RLPhaseConfig, "engine_config"): lambda v: engine_spec(v["engine"]).config_cls,
     (RLPhaseConfig, "episode_config"): lambda v: episode_spec(v["episode"]).config_cls,
     (TaskBankConfig, "generator_config"): lambda v: GENERATORS.get(v["generator"]).config_cls,
+    (RunConfig, "grader_config"): lambda v: GRADERS.get(v["grader"]).config_cls,
     (GRPOConfig, "correction_cfg"): lambda v: CORRECTIONS.get(v["correction"]).config_cls,
     (CISPOConfig, "correction_cfg"): lambda v: CORRECTIONS.get(v["correction"]).config_cls,
 }

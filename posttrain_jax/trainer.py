@@ -29,6 +29,15 @@ groups, the rest are cut and saved as unfinished work, re-run on resume), writes
 at the current step unless one is there, waits for it, logs "preempted at step k: checkpoint
 written, resume with the same command" and returns None (`preempted_at` = k). The resumed run
 equals an uninterrupted one bit for bit in sync mode, as any resume does.
+
+Early stops (the config, no code): `eval.target_accuracy` ends RL at the first in-run eval
+whose `eval.target_metric` reaches it (that eval is the final one), `train_budget_s` at the
+first step boundary with `time/train_s_total` ≥ the budget (then the final eval runs). Either
+logs why, checkpoints that step with a `stopped` record and ends with the result as a finished
+run does. metrics.jsonl carries `time/train_s_total` (training steps, SFT + RL) and
+`time/eval_s_total` (held-out evals), both cumulative and checkpointed, so they continue across a
+resume. Resuming a stopped run finishes it again without training, unless the current config
+no longer stops there (a higher target, a larger budget): then it trains on and says so.
 """
 from __future__ import annotations
 
@@ -116,11 +125,15 @@ class Trainer:
     self._check_data_budget()
     self.tasks = self.bank.iterator()
     self.held_out = self.bank.eval_tasks()
-    self.grader = make_grader(cfg.grader)
+    self.grader = make_grader(cfg.grader, cfg.grader_cfg())
     self.workdir.mkdir(parents=True, exist_ok=True)   # after the checks: a bad config leaves none
     self.ckpt = Checkpointer(self.workdir / "checkpoints", cfg.checkpoint)
     self.sft_dir = self.workdir / "sft_model"
     self.total_steps = cfg.sft.steps + cfg.rl.steps
+    self.end_step = self.total_steps           # earlier when the run stopped at a target / budget
+    self.stopped: Optional[dict] = None        # {"reason", "step", ...} of such a stop
+    self.train_s = 0.0                         # time/train_s_total: seconds in training steps
+    self.eval_s = 0.0                          # time/eval_s_total: seconds in held-out evals
     self.rewards: list[float] = []
     self.heldout_before: Optional[dict] = None
     self.baseline = BaselineState()
@@ -189,6 +202,8 @@ class Trainer:
             "baseline": {"task_means": dict(self.baseline.task_means),
                          "global_mean": self.baseline.global_mean},
             "metrics_rows": self._writer.rows if self._writer is not None else None,
+            "time_totals": {"train_s": self.train_s, "eval_s": self.eval_s},
+            "stopped": self.stopped,
             "config": to_dict(self.cfg)}
 
   def _save(self, step: int, learner: Learner, force: bool = False) -> None:
@@ -198,11 +213,23 @@ class Trainer:
       self.ckpt.save(step, learner.state, self._extra(step), arrays=arrays)
       self._saved = step
 
+  def _timed_eval(self, engine, learner: Optional[Learner] = None,
+                  version: Optional[int] = None) -> dict[str, float]:
+    """`evaluate` (after syncing the learner's weights at `version`, when given), its seconds
+    added to `time/eval_s_total`."""
+    t0 = time.perf_counter()
+    if learner is not None:
+      engine.update_weights(learner.params, version=version)
+    out = self.evaluate(engine)
+    self.eval_s += time.perf_counter() - t0
+    out.update({"time/eval_s_total": self.eval_s, "time/train_s_total": self.train_s})
+    return out
+
   def evaluate(self, engine) -> dict[str, float]:
     """Mean reward on the held-out tasks: sampled at the policy temperature, and greedy."""
     ev = self.cfg.eval
     out = {}
-    modes = [("accuracy", ev.temperature, ev.samples_per_prompt)]
+    modes = [("accuracy", ev.temperature, ev.samples_per_prompt)] if ev.sampled else []
     if ev.greedy:
       modes.append(("accuracy_greedy", 0.0, 1))
     if self._multi_turn:  # whole episodes on the held-out tasks (the env's reward)
@@ -294,6 +321,8 @@ class Trainer:
       metrics = {f"sft/{k}": v for k, v in metrics.items()}
       metrics["data/hash"] = _data_hash([t.task_id for t in trajs])
       metrics["time/step_s"] = time.perf_counter() - t0
+      self.train_s += metrics["time/step_s"]
+      metrics["time/train_s_total"] = self.train_s
       writer.write(step + 1, metrics)
       bar.update(1)
       bar.set_postfix(phase="sft", loss=f"{metrics['sft/loss']:.3f}")
@@ -336,13 +365,13 @@ class Trainer:
     if self._source_state:
       source.restore(self._source_state)
     if self.heldout_before is None:
-      self.heldout_before = self.evaluate(engine)
+      self.heldout_before = self._timed_eval(engine)
       writer.write(start, dict(self.heldout_before))
       self.log(f"held-out before RL: {_fmt(self.heldout_before)}")
     sft_steps = self.cfg.sft.steps
     if self._preempted(start, learner):
       return start
-    for step in range(start, self.total_steps):
+    for step in range(start, self.end_step):
       version = step - sft_steps
       t0 = time.perf_counter()
       out = rl_step(learner, source, step=step, version=version, advantage=cfg.advantage,
@@ -351,27 +380,74 @@ class Trainer:
       self.baseline = out.baseline if out.baseline is not None else self.baseline
       metrics = out.metrics
       self.rewards.append(metrics["reward/mean"])
-      metrics.update({"time/step_s": time.perf_counter() - t0, "policy_version": version + 1,
+      step_s = time.perf_counter() - t0
+      self.train_s += step_s
+      metrics.update({"time/step_s": step_s, "time/train_s_total": self.train_s,
+                      "policy_version": version + 1,
                       "data/hash": _data_hash([t.id for t in out.tasks])})
+      evaluated = None
       if self.cfg.eval.every_steps and (version + 1) % self.cfg.eval.every_steps == 0 \
           and step + 1 < self.total_steps:
-        engine.update_weights(learner.params, version=version + 1)
-        metrics.update(self.evaluate(engine))
+        evaluated = self._timed_eval(engine, learner, version + 1)
+        metrics.update(evaluated)
+      self.stopped = self._stop_reason(step + 1, evaluated)
       writer.write(step + 1, metrics)
       bar.update(1)
       bar.set_postfix(phase="rl", reward=f"{metrics['reward/mean']:.3f}",
                       loss=f"{metrics.get('loss', float('nan')):.4f}")
+      if self.stopped is not None:
+        self.end_step = step + 1
+        self.log(self._stop_note())
       if self._preempted(step + 1, learner):
         return step + 1
-      self._save(step + 1, learner, force=step + 1 == self.total_steps)
+      self._save(step + 1, learner, force=step + 1 == self.end_step)
+      if self.stopped is not None:
+        break
       if self._stop(step + 1):
         return step + 1
     source.close()
-    engine.update_weights(learner.params, version=cfg.steps)
-    self.final_eval = self.evaluate(engine)
-    writer.write(self.total_steps, dict(self.final_eval))
+    if self.stopped is not None and self.stopped.get("eval"):
+      self.final_eval = dict(self.stopped["eval"])   # the eval that reached the target: its row is written
+    else:
+      self.final_eval = self._timed_eval(engine, learner, self.end_step - sft_steps)
+      writer.write(self.end_step, dict(self.final_eval))
     hf_io.save_hf_model(learner.model(), self.workdir / "final_model", tokenizer_dir=self.model_dir)
-    return self.total_steps
+    return self.end_step
+
+  def _stop_reason(self, step: int, evaluated: Optional[dict]) -> Optional[dict]:
+    """The `stopped` record when the run ends early at `step` (after its in-run eval, if any)."""
+    ev, budget = self.cfg.eval, self.cfg.train_budget_s
+    if evaluated is not None and ev.target_accuracy is not None:
+      value = evaluated.get(f"eval/{ev.target_metric}")
+      if value is not None and value >= ev.target_accuracy:
+        return {"reason": "target", "step": step, "metric": ev.target_metric, "value": value,
+                "target": ev.target_accuracy, "eval": evaluated}
+    if budget is not None and self.train_s >= budget:
+      return {"reason": "budget", "step": step, "train_s": self.train_s, "budget_s": budget}
+    return None
+
+  def _stop_note(self) -> str:
+    s = self.stopped
+    if s["reason"] == "target":
+      return (f"stopped at step {s['step']}: held-out {s['metric']} {s['value']:.4f} reached "
+              f"eval.target_accuracy={s['target']} after {self.train_s:.1f} s of training")
+    return (f"stopped at step {s['step']}: {s['train_s']:.1f} s of training reached "
+            f"train_budget_s={s['budget_s']}")
+
+  def _resume_stop(self, saved: Optional[dict]) -> None:
+    """A checkpoint of a stopped run: keep its end if the current config stops there too."""
+    if not saved:
+      return
+    ev, budget = self.cfg.eval, self.cfg.train_budget_s
+    holds = (saved["reason"] == "target" and ev.target_accuracy is not None
+             and saved["metric"] == ev.target_metric and saved["value"] >= ev.target_accuracy) or (
+        saved["reason"] == "budget" and budget is not None and self.train_s >= budget)
+    if holds:
+      self.stopped, self.end_step = saved, int(saved["step"])
+      self.log(f"the run had stopped at step {saved['step']} ({saved['reason']}): finishing it")
+    else:
+      self.log(f"the run had stopped at step {saved['step']} ({saved['reason']}); the config no "
+               "longer stops there: training on")
 
   def _start_params(self, learner: Learner, resume: bool, base: pathlib.Path):
     """The RL start weights: a fresh learner holds them, so they are copied (it donates its own
@@ -451,6 +527,9 @@ class Trainer:
       self.baseline = BaselineState(dict(b.get("task_means", {})), b.get("global_mean"))
       self._saved = start
       rows = extra.get("metrics_rows")   # None in checkpoints written before it was recorded
+      totals = extra.get("time_totals") or {}
+      self.train_s, self.eval_s = totals.get("train_s", 0.0), totals.get("eval_s", 0.0)
+      self._resume_stop(extra.get("stopped"))
       self.log(f"resumed from {self.ckpt.directory}/{latest} (step {start})")
     writer = self._writer = MetricsWriter(
         self.workdir, resume_step=start if latest is not None else None, resume_rows=rows)
@@ -467,7 +546,7 @@ class Trainer:
         self._ensure_sft_model()
       # a checkpoint at the boundary holds SFT state: RL starts from sft_model/
       step = self._rl(step, latest is not None and start > self.cfg.sft.steps, bar, writer)
-      if step < self.total_steps or self.preempted_at is not None:
+      if step < self.end_step or self.preempted_at is not None:
         return None
     finally:
       if self._source is not None:
@@ -484,14 +563,20 @@ class Trainer:
     if jax.process_index() == 0 and rows:
       plot_run(rows, self.workdir / "plot.png")
     r = [x for x in self.rewards if x == x]
+    # heldout_*: the sampled accuracy, or the greedy one in a greedy-only eval (eval.sampled=False)
+    key = "eval/accuracy" if self.cfg.eval.sampled else "eval/accuracy_greedy"
     result = {
-        "heldout_before": self.heldout_before.get("eval/accuracy", float("nan")),
-        "heldout_after": self.final_eval.get("eval/accuracy", float("nan")),
+        "heldout_before": self.heldout_before.get(key, float("nan")),
+        "heldout_after": self.final_eval.get(key, float("nan")),
         "heldout_greedy_before": self.heldout_before.get("eval/accuracy_greedy", float("nan")),
         "heldout_greedy_after": self.final_eval.get("eval/accuracy_greedy", float("nan")),
         "reward_first10": float(np.mean(r[:10])) if r else float("nan"),
         "reward_last10": float(np.mean(r[-10:])) if r else float("nan"),
         "minutes": seconds / 60,
+        "train_s_total": self.train_s,
+        "eval_s_total": self.eval_s,
+        "stopped": self.stopped["reason"] if self.stopped else None,
+        "steps": self.end_step,
     }
     (self.workdir / "result.json").write_text(json.dumps(result, indent=1))
     return result
@@ -523,9 +608,14 @@ def _fmt(d: dict) -> str:
 
 
 def result_line(result: dict) -> str:
+  """`RESULT heldout_before=… … minutes=…`, then `stopped=<target|budget> steps=<k>` for a run
+  that ended early."""
   keys = ("heldout_before", "heldout_after", "reward_first10", "reward_last10", "minutes")
-  return "RESULT " + " ".join(f"{k}={result[k]:.4f}" if k != "minutes" else f"{k}={result[k]:.2f}"
+  line = "RESULT " + " ".join(f"{k}={result[k]:.4f}" if k != "minutes" else f"{k}={result[k]:.2f}"
                               for k in keys)
+  if result.get("stopped"):
+    line += f" stopped={result['stopped']} steps={result['steps']}"
+  return line
 
 
 __all__ = ["Trainer", "result_line", "run_config_from_dict"]

@@ -8,7 +8,8 @@ registered ones):
     1. the content of the last `\boxed{...}` (or `\fbox{...}`; nested braces handled),
     2. what follows the last `#### ` (GSM8K style),
     3. the number after the last "answer is" / "answer:",
-    4. the last number in the text.
+    4. the last number in the text (the first with `NumericConfig(pick="first")`: a model
+       that states its answer and then rambles on).
   Numbers are normalised: thousands commas ("1,234"), a leading "+", "$", "%", a trailing
   ".0" or ".", `\text{...}` units, "x = 5" (right-hand side), decimals (".5", "2.50"),
   simple fractions "a/b" and `\frac{a}{b}` / `\dfrac` / `\tfrac` (signs outside included).
@@ -151,10 +152,11 @@ def _numbers_in(text: str) -> list[str]:
   return [m.group(0) for m in _NUMBER_RE.finditer(text)]
 
 
-def extract_final_answer(text: str) -> tuple[Optional[str], str]:
+def extract_final_answer(text: str, pick: str = "last") -> tuple[Optional[str], str]:
   r"""`(answer_text, how)`: the final answer of a completion and which rule found it.
 
-  `how` is one of "boxed", "####", "answer_is", "last_number", "none".
+  `how` is one of "boxed", "####", "answer_is", "last_number", "none"; `pick` ("last" |
+  "first") is which number of the text rule 4 reads (its `how` is "last_number" either way).
   """
   boxed = last_boxed(text)
   if boxed is not None:
@@ -169,7 +171,7 @@ def extract_final_answer(text: str) -> tuple[Optional[str], str]:
       return nums[0].strip(), "answer_is"
   nums = _numbers_in(text)
   if nums:
-    return nums[-1].strip(), "last_number"
+    return nums[0 if pick == "first" else -1].strip(), "last_number"
   return None, "none"
 
 
@@ -217,7 +219,19 @@ class NumericConfig:
   """Config of the "numeric" grader."""
   abs_tol: float = 1e-6              # |pred - gold| <= abs_tol + rel_tol * |gold| counts as equal
   rel_tol: float = 1e-9              # relative part of the tolerance above
-  last_number_fallback: bool = True  # with no \boxed / #### / "answer is", read the last number
+  last_number_fallback: bool = True  # with no \boxed / #### / "answer is", read a number of the text
+  pick: str = "last"                 # which number that fallback reads: "last" | "first"
+
+  def __post_init__(self):
+    if self.pick not in NUMBER_PICKS:
+      raise ValueError(f"NumericConfig.pick is {self.pick!r}; valid: {NUMBER_PICKS} (which "
+                       "number of the completion is its answer when nothing marks one)")
+    for name in ("abs_tol", "rel_tol"):
+      if not getattr(self, name) >= 0:
+        raise ValueError(f"NumericConfig.{name} must be ≥ 0, got {getattr(self, name)}")
+
+
+NUMBER_PICKS = ("last", "first")
 
 
 @register_grader("numeric", NumericConfig)
@@ -231,7 +245,7 @@ def numeric_grader(completion: str, task: Task, cfg: NumericConfig = NumericConf
   if gold is None:
     raise GraderError(f"task {task.id!r}: reference answer {task.answer!r:.80} is not a number; "
                       "use the 'exact_match' grader for non-numeric answers")
-  extracted, how = extract_final_answer(completion)
+  extracted, how = extract_final_answer(completion, cfg.pick)
   if how == "last_number" and not cfg.last_number_fallback:
     extracted, how = None, "none"
   pred = parse_number(extracted) if extracted is not None else None
