@@ -5,8 +5,13 @@ flag), unless that names a device count itself. Tests marked `@pytest.mark.devic
 devices. Fewer devices FAIL them where the count was ours to give -- CPU with our flag -- or
 under CI (`CI` set), since the tests would otherwise vanish as silent skips; they skip only
 where the caller chose the devices (their own device-count flag, or a GPU/TPU platform).
+
+`PTJ_SLOW_DEADLINE` (Unix seconds; CI's slow stage sets it so the whole CI stays under an hour):
+a test marked `slow` that would start after it is skipped, with the reason saying so, and the
+run ends with a line counting them, so a time-boxed stage never looks like a full one.
 """
 import os
+import time
 
 import pytest
 
@@ -29,7 +34,14 @@ def pytest_configure(config):
                                      "fewer fail on CPU and under CI, skip elsewhere)")
 
 
+_BUDGET_SKIPPED: list[str] = []
+
+
 def pytest_runtest_setup(item):
+  deadline = os.environ.get("PTJ_SLOW_DEADLINE")
+  if deadline and item.get_closest_marker("slow") and time.time() > float(deadline):
+    _BUDGET_SKIPPED.append(item.nodeid)
+    pytest.skip(f"not run: the slow stage's time budget (PTJ_SLOW_DEADLINE={deadline}) is spent")
   marker = item.get_closest_marker("devices")
   if marker is None:
     return
@@ -42,3 +54,10 @@ def pytest_runtest_setup(item):
   if ours or os.environ.get("CI"):
     pytest.fail(message, pytrace=False)
   pytest.skip(message)
+
+
+def pytest_terminal_summary(terminalreporter):
+  if _BUDGET_SKIPPED:
+    terminalreporter.write_line(
+        f"{len(_BUDGET_SKIPPED)} slow test(s) NOT RUN for lack of CI time (PTJ_SLOW_DEADLINE): "
+        + ", ".join(_BUDGET_SKIPPED))
