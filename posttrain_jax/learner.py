@@ -248,6 +248,17 @@ def abstract_train_state(model: Decoder, cfg: LearnerConfig,
                     rng=jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=rep))
 
 
+def max_over_processes(values) -> tuple[int, ...]:
+  """The element-wise max of `values` (ints) over the processes of the job: what every
+  process must use where each computed its own (e.g. a trimmed batch's shape, which the
+  jitted step and its collectives need the same everywhere). One process: `values` itself."""
+  if jax.process_count() == 1:
+    return tuple(int(v) for v in values)
+  from jax.experimental import multihost_utils
+  gathered = multihost_utils.process_allgather(np.asarray(values, np.int32))
+  return tuple(int(v) for v in np.max(np.asarray(gathered).reshape(jax.process_count(), -1), 0))
+
+
 class Learner:
   """Holds the jitted step and shardings; `step(batch)` returns host metrics.
 
@@ -292,6 +303,12 @@ class Learner:
   @property
   def params(self):
     return self.state.params
+
+  @property
+  def row_multiple(self) -> int:
+    """Batch rows must be a multiple of this: the row shards (data × fsdp) × micro-batches."""
+    shards = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    return shards * self.cfg.micro_batches
 
   @property
   def step_count(self) -> int:

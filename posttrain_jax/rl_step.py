@@ -7,10 +7,15 @@
                                                   (reward None: feedback, no grade) is trained
                                                   with A = 0, out of the baselines, counted
                                                   (filter/ungraded_frac: out of the RL term)
-    batch = pack(kept trajectories, adv)
+    batch = pack(kept trajectories, adv)          then fit_shape: unused rows / positions cut
+                                                  to a bucket (batch_cfg.trim; exact,
+                                                  batching.py), one shape on every process
     fill exactly the log-prob fields the loss declares it needs (LossSpec.needs), plus
         old_logp when update_epochs > 1 (the PPO ratio's denominator across epochs) and
-        ref_logp when a reference is given only to report a KL; teacher_logp / teacher_mask
+        ref_logp when a reference is given only to report a KL: then at versions
+        0, kl_every, 2·kl_every, ... (a forward pass of its own, ~20% of a tiny step if run
+        every step: a metric must not cost that; the `kl` metric is absent from the other
+        steps' rows), always when the loss needs it; teacher_logp / teacher_mask
         from the teacher (teacher.py: the model scoring the sampled tokens under its context)
     update_epochs × learner.step(batch)           skipped when no trajectory survived
     teacher.after_update(learner)                 an EMA teacher follows the new weights
@@ -29,8 +34,11 @@ import numpy as np
 from posttrain_jax import batching
 from posttrain_jax import teacher as teacher_lib
 from posttrain_jax.advantages import AdvantageConfig, BaselineState, compute_advantages
+from posttrain_jax.learner import max_over_processes
 from posttrain_jax.step_metrics import episode_signals
 from posttrain_jax.types import Status
+
+KL_EVERY = 10   # report-only KL: versions between two reference forwards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +54,10 @@ class StepResult:
 def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageConfig,
             batch_cfg: batching.BatchConfig, update_epochs: int = 1,
             baseline: Optional[BaselineState] = None, reference: Any = None,
-            teacher: Any = None) -> StepResult:
+            teacher: Any = None, kl_every: int = KL_EVERY) -> StepResult:
   """Runs one step (see the module docstring); `reference` = frozen params for ref_logp;
-  `teacher` = a teacher.SelfTeacher for teacher_logp / teacher_mask."""
+  `teacher` = a teacher.SelfTeacher for teacher_logp / teacher_mask; `kl_every`: a reference
+  the loss does not need is scored (the `kl` metric) when version % kl_every == 0."""
   t0 = time.perf_counter()
   source.update_weights(learner.params, version=version)
   t_sync = time.perf_counter() - t0
@@ -63,11 +72,14 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
   t1 = time.perf_counter()
   if keep:
     batch = batching.build_batch(keep, adv.advantages[adv.keep].tolist(), batch_cfg)
+    if batch_cfg.trim:   # a collective with several processes, like learner.step below
+      batch = batching.fit_shape(batch, learner.row_multiple, batch_cfg.seq_bucket,
+                                 agree=max_over_processes)
     if update_epochs > 1:
       needs.add("old_logp")
     if "ref_logp" in needs and reference is None:
       raise ValueError(f"loss {learner.cfg.loss!r} needs ref_logp but the run has no reference")
-    if reference is not None:
+    if reference is not None and kl_every > 0 and version % kl_every == 0:
       needs.add("ref_logp")
     unsupported = needs - {"old_logp", "ref_logp", "behaviour_logp"}
     if teacher is not None:

@@ -89,7 +89,9 @@ class RLPhaseConfig:
   learner: LearnerConfig = LearnerConfig(loss="grpo")
   loss: Any = None                # the loss's own config (class from the registry); None = defaults
   update_epochs: int = 1          # optimizer steps per batch; > 1 recomputes log pi_old first
-  reference_kl: bool = True       # score log pi_ref (the warm-start model) to report KL; needed if kl_coef > 0
+  reference_kl: bool = True       # report KL to pi_ref (the warm-start model), the `kl` metric, every
+                                  # rl_step.KL_EVERY (10) steps (a forward pass of its own); a loss
+                                  # with kl_coef > 0 gets pi_ref every step
   teacher: TeacherConfig = TeacherConfig()  # a distillation loss's teacher (teacher.py): context, weights
   batch: BatchConfig = BatchConfig(rows=128, seq_len=48, max_seqs=256)
 
