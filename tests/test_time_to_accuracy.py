@@ -39,7 +39,7 @@ def _scripted(mod, table, who):
 @pytest.mark.parametrize("with_trl", [True, False])
 def test_report_takes_medians_over_seeds(tmp_path, monkeypatch, capsys, with_trl):
   mod = _bench()
-  monkeypatch.setattr(mod, "warm_start", lambda work, steps, lr, rounds, acc: (tmp_path / "warm", 0.3))
+  monkeypatch.setattr(mod, "warm_start", lambda work, steps, lr, rounds, acc, below: (tmp_path / "warm", 0.3))
   monkeypatch.setattr(mod, "run_ours", _scripted(mod, _OURS, "ours"))
   monkeypatch.setattr(mod, "run_trl", _scripted(mod, _TRL, "trl"))
   monkeypatch.setattr(mod, "trl_available", lambda: with_trl)
