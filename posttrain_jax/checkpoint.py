@@ -17,6 +17,16 @@ it later, and the caller's lists and dicts may have moved on by then. Temporary 
 interrupted save left behind are deleted by the next Checkpointer of the directory (in the
 background from its start, finished before its first save).
 
+Disk faults. A save that fails because of the disk (full, read-only, over quota: an errno
+anywhere in the exception chain, `errors.disk_errno`) raises `CheckpointWriteError`, naming the
+step's directory, the cause, the latest complete checkpoint (which still restores: orbax
+renames a step into place only once every file is written) and what to do. Before it is
+raised, the orbax manager is closed and opened again (its background writers joined; it had
+listed the failed step as saved, and an async one raises the same fault again at its next
+save) and the failed step's temporary directory is deleted (it holds the space the next try
+needs). With `async_save` the fault surfaces at the next `save`, `wait` or `close`, and names
+the step that was in flight.
+
 Crash test hook: with `POSTTRAIN_JAX_CRASH_AT=<point>:<step>` in the environment, `crash_point`
 SIGKILLs the process at that point (tests/test_chaos.py, benchmarks/chaos_resume.py). The point
 `save:<step>` is inside this module's save of `step`: every item and orbax's commit marker
@@ -26,17 +36,24 @@ boundary checkpoint not yet written). Unset, the hook does nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import os
 import pathlib
+import shutil
 import signal
+import threading
+import time
 from typing import Any, Optional
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from posttrain_jax.errors import (DiskWriteError, disk_cause, disk_errno, disk_fix, format_bytes,
+                                  free_note)
 from posttrain_jax.types import TrainState
 
 
@@ -49,6 +66,11 @@ class CheckpointConfig:
 
 
 CRASH_ENV = "POSTTRAIN_JAX_CRASH_AT"
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"   # orbax's name for a step directory not yet committed
+
+
+class CheckpointWriteError(DiskWriteError):
+  """A checkpoint could not be written (disk full / read-only ...): the earlier ones are intact."""
 
 
 def crash_point(point: str, step: int) -> None:
@@ -106,18 +128,49 @@ def _unflatten(like, flat: dict[str, Any], where: pathlib.Path):
   return jax.tree_util.tree_unflatten(treedef, [flat[jax.tree_util.keystr(p)] for p, _ in paths])
 
 
+def _join_writers(timeout_s: float = 60.0) -> None:
+  """Waits (at most `timeout_s`) for orbax's writer threads. A failed synchronous save raises
+  at the first failed write while the others still run: seen writing into the step's
+  temporary directory as it was being removed, leaving it behind (1 run in 15)."""
+  try:
+    from orbax.checkpoint._src.futures import future
+    writer = future._SignalingThread
+  except (ImportError, AttributeError):  # another orbax: nothing known to wait for
+    return
+  deadline = time.monotonic() + timeout_s
+  for t in threading.enumerate():
+    if isinstance(t, writer) and t is not threading.current_thread():
+      threading.Thread.join(t, max(0.0, deadline - time.monotonic()))  # not its raising join
+
+
 class Checkpointer:
   """Saves / restores (TrainState, extra JSON) under `directory/<step>`."""
 
   def __init__(self, directory: str | pathlib.Path, cfg: CheckpointConfig = CheckpointConfig()):
     self.cfg = cfg
     self.directory = pathlib.Path(directory).absolute()
+    self._in_flight: Optional[tuple[int, int]] = None  # (step, bytes) an async save still writes
     if os.environ.get(CRASH_ENV, "").startswith("save:"):
       _arm_save_crash()
-    options = ocp.CheckpointManagerOptions(max_to_keep=cfg.max_to_keep, create=True,
-                                           enable_async_checkpointing=cfg.async_save,
-                                           cleanup_tmp_directories=True)
-    self._mngr = ocp.CheckpointManager(self.directory, options=options)
+    try:
+      self._mngr = self._manager()
+    except Exception as e:
+      code = disk_errno(e)
+      if code is None:
+        raise
+      raise CheckpointWriteError(
+          f"cannot use checkpoint directory {self.directory}: {disk_cause(code)}"
+          f"{free_note(code, self.directory)}; {disk_fix(code, self.directory)}", code) from e
+
+  def _manager(self) -> ocp.CheckpointManager:
+    # The step directory is made in `save` itself, not in orbax's background: made there, a
+    # failed mkdir (read-only / full disk) left orbax's writer threads waiting for its
+    # "directory created" signal for 300 s, so the process hung that long before it exited.
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=self.cfg.max_to_keep, create=True, cleanup_tmp_directories=True,
+        enable_async_checkpointing=self.cfg.async_save,
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+    return ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> Optional[int]:
     return self._mngr.latest_step()
@@ -128,17 +181,76 @@ class Checkpointer:
   def save(self, step: int, state: TrainState, extra: dict,
            arrays: Optional[dict[str, Any]] = None) -> None:
     """`arrays`: {item name: pytree of arrays} saved beside the state (e.g. "teacher"). `extra`
-    is copied now: what is saved is its value at this call, even when the write is async."""
-    items = {name: ocp.args.StandardSave(_flat(tree)) for name, tree in (arrays or {}).items()}
-    if {"state", "extra"} & set(items):
-      raise ValueError(f"checkpoint item names 'state' and 'extra' are taken, got {sorted(items)}")
-    self._mngr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(_flatten(state)),
-        extra=ocp.args.JsonSave(json.loads(json.dumps(extra))), **items),
-        force=True)
+    is copied now: what is saved is its value at this call, even when the write is async.
+    A disk fault raises `CheckpointWriteError` (module docstring)."""
+    flats = {name: _flat(tree) for name, tree in (arrays or {}).items()}
+    if {"state", "extra"} & set(flats):
+      raise ValueError(f"checkpoint item names 'state' and 'extra' are taken, got {sorted(flats)}")
+    flats["state"] = _flatten(state)
+    nbytes = sum(int(getattr(x, "nbytes", 0)) for flat in flats.values() for x in flat.values())
+    self.wait()  # an async save still in flight: its fault is reported as its own step's
+    with self._disk_faults(step, nbytes):
+      self._mngr.save(step, args=ocp.args.Composite(
+          extra=ocp.args.JsonSave(json.loads(json.dumps(extra))),
+          **{name: ocp.args.StandardSave(flat) for name, flat in flats.items()}),
+          force=True)
+    if self.cfg.async_save:
+      self._in_flight = (step, nbytes)
 
   def wait(self) -> None:
-    self._mngr.wait_until_finished()
+    """Returns once no save is in flight (raises `CheckpointWriteError` if it failed)."""
+    step, nbytes = self._in_flight or (None, 0)
+    with self._disk_faults(step, nbytes):
+      self._in_flight = None
+      self._mngr.wait_until_finished()
+
+  @contextlib.contextmanager
+  def _disk_faults(self, step: Optional[int], nbytes: int):
+    """Turns a disk fault while saving `step` (`nbytes` of arrays) into `CheckpointWriteError`,
+    after removing the step's temporary directory and re-reading the steps on disk; other
+    errors pass through."""
+    try:
+      yield
+    except Exception as e:
+      code = disk_errno(e)
+      if code is None or step is None:
+        raise
+      self._recover(step)
+      latest = self._latest_on_disk()
+      kept = (f"checkpoint {latest} is still the latest and restores" if latest is not None
+              else "no earlier checkpoint exists")
+      size = (f", the step has {format_bytes(nbytes)} of arrays"
+              if code in (errno.ENOSPC, errno.EDQUOT) else "")
+      raise CheckpointWriteError(
+          f"checkpoint {self.directory / str(step)} was not written: {disk_cause(code)}{size}"
+          f"{free_note(code, self.directory)}; {kept}; {disk_fix(code, self.directory, False)}, "
+          "then rerun the same command to resume", code) from e
+
+  def _latest_on_disk(self) -> Optional[int]:
+    try:
+      return self.latest_step()
+    except Exception:  # no manager could be made again: orbax's committed steps are the
+      steps = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit()]  # renamed ones
+      return max(steps, default=None)
+
+  def _recover(self, step: int) -> None:
+    """After a failed save of `step`: a fresh manager (the old one's background writers
+    joined; an async one would raise the same fault again at its next save, and had listed
+    `step` as saved) and no temporary directory of `step`."""
+    try:
+      self._mngr.close()
+    except Exception:  # the fault being reported, raised again by the writers it joins
+      pass
+    _join_writers()
+    for _ in range(3):  # a writer still finishing may add a file while the tree is removed
+      for tmp in self.directory.glob(f"{step}{_TMP_SUFFIX}*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+      if not any(self.directory.glob(f"{step}{_TMP_SUFFIX}*")):
+        break
+    try:
+      self._mngr = self._manager()
+    except Exception:  # the disk refuses even that: the old one may still answer latest_step
+      pass
 
   def read_extra(self, step: int) -> dict:
     """Only the JSON side-car of step `step` (no arrays are read)."""
@@ -171,5 +283,7 @@ class Checkpointer:
     return _unflatten(like, out[name], self.directory / str(step))
 
   def close(self) -> None:
-    self._mngr.wait_until_finished()
-    self._mngr.close()
+    try:
+      self.wait()
+    finally:
+      self._mngr.close()

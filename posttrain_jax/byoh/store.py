@@ -22,12 +22,21 @@ session or one call at any later time, keyed for idempotency.
 Prompt ids are stored as a little-endian int32 blob (exact, ~4× smaller than JSON); each choice's
 sampled ids and log-probs as JSON (Python's float repr round-trips exactly). `export_jsonl` /
 `import_jsonl` carry everything as JSON lines with a schema version.
+
+Disk faults. A write that fails because of the disk (SQLite's "database or disk is full",
+a read-only file or file system, an I/O error) raises `StoreWriteError` naming the store's
+path and the cause. Each write is one SQLite transaction, so it is stored whole or not at
+all: what was stored before stays intact and readable, and a call whose `end_call` failed
+reads as incomplete (never trained on). An `export_jsonl` that fails leaves no file behind
+and its destination as it was.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
+import os
 import pathlib
 import sqlite3
 import threading
@@ -37,6 +46,7 @@ from typing import Any, Iterable, Iterator, Optional
 import numpy as np
 
 from posttrain_jax.byoh import json_text
+from posttrain_jax.errors import DiskWriteError, disk_cause, disk_errno, disk_fix, free_note
 
 SCHEMA_VERSION = 1
 CALL_STATUSES = ("complete", "incomplete", "error")
@@ -63,6 +73,43 @@ CREATE TABLE IF NOT EXISTS session_keys (
 
 class StoreError(ValueError):
   """A record that cannot be stored or read back; the message names the field (and line)."""
+
+
+class StoreWriteError(DiskWriteError, StoreError):
+  """The disk refused a write (full, read-only, I/O error); nothing of that write was stored."""
+
+
+# SQLite's primary result codes that are the disk's state -> errno
+_SQLITE_DISK = {"SQLITE_FULL": errno.ENOSPC, "SQLITE_READONLY": errno.EROFS,
+                "SQLITE_IOERR": errno.EIO, "SQLITE_CANTOPEN": errno.EACCES}
+
+
+def _disk_fault(e: BaseException, path: pathlib.Path, what: str,
+                kept: str = "nothing of it was stored; what was stored before is intact"
+                ) -> Optional[StoreWriteError]:
+  """`e` as a StoreWriteError naming `path`, `what` failed and what was `kept`, if it is a disk
+  fault (else None)."""
+  code = None
+  if isinstance(e, sqlite3.Error):
+    name = getattr(e, "sqlite_errorname", "") or ""
+    code = next((c for k, c in _SQLITE_DISK.items() if name.startswith(k)), None)
+    if code is None and "disk is full" in str(e):
+      code = errno.ENOSPC
+  code = code or disk_errno(e)
+  if code is None:
+    return None
+  if code in (errno.EACCES, errno.EROFS):  # SQLite says "cannot open" / "readonly" for both
+    code = errno.EROFS if _read_only_fs(path.parent) else errno.EACCES
+  return StoreWriteError(
+      f"trace store {path}: {what} failed: {disk_cause(code)} ({e}){free_note(code, path.parent)}"
+      f"; {kept}; {disk_fix(code, path.parent)}", code)
+
+
+def _read_only_fs(d: pathlib.Path) -> bool:
+  try:
+    return bool(os.statvfs(d).f_flag & os.ST_RDONLY)
+  except OSError:
+    return False
 
 
 def _ids_blob(ids: Iterable[int]) -> bytes:
@@ -146,9 +193,9 @@ class TraceStore:
     if cfg.synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
       raise StoreError(f"StoreConfig.synchronous={cfg.synchronous!r}; valid: NORMAL, FULL, EXTRA")
     self.cfg = cfg
-    path = pathlib.Path(cfg.path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = self.path = pathlib.Path(cfg.path)
     try:
+      path.parent.mkdir(parents=True, exist_ok=True)
       self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None,
                                  timeout=cfg.busy_timeout_ms / 1000)
       self._db.execute("PRAGMA journal_mode=WAL")
@@ -157,9 +204,13 @@ class TraceStore:
       if version not in (0, SCHEMA_VERSION):
         raise StoreError(f"{path}: trace store schema version {version}; this code reads "
                          f"{SCHEMA_VERSION}")
-      self._db.executescript(_SCHEMA)
-      self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-    except sqlite3.DatabaseError as e:
+      if version == 0:  # a new store (an existing one is opened without a write: readable
+        self._db.executescript(_SCHEMA)  # on a full disk)
+        self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    except (sqlite3.DatabaseError, OSError) as e:
+      fault = _disk_fault(e, path, "opening", "the store was not opened")
+      if fault is not None:
+        raise fault from e
       raise StoreError(f"{path}: cannot open the trace store ({e})") from e
     self._lock = threading.Lock()
 
@@ -167,12 +218,18 @@ class TraceStore:
     with self._lock:
       self._db.close()
 
-  def _write(self, sql: str, args: tuple) -> None:
+  def _write(self, sql: str, args: tuple, what: str = "a write") -> int:
+    """Runs one INSERT (its own transaction); the number of rows it stored."""
     with self._lock:
       try:
-        self._db.execute(sql, args)
+        return self._db.execute(sql, args).rowcount
       except sqlite3.IntegrityError as e:
         raise StoreError(f"trace store: {e}") from e
+      except sqlite3.Error as e:
+        fault = _disk_fault(e, self.path, what)
+        if fault is not None:
+          raise fault from e
+        raise
 
   # -- writing --------------------------------------------------------------------------------
 
@@ -187,7 +244,7 @@ class TraceStore:
         (call_id, tenant, session, time.time() if created is None else created, kind,
          json.dumps(request), None if messages is None else json.dumps(messages),
          None if tools is None else json.dumps(tools), prompt_text, _ids_blob(prompt_ids),
-         parent_call, parent_choice, break_reason))
+         parent_call, parent_choice, break_reason), f"recording call {call_id}")
 
   def end_call(self, call_id: str, *, status: str, choices: list[Choice] = (),
                response: Optional[dict] = None, reason: Optional[str] = None,
@@ -202,19 +259,20 @@ class TraceStore:
     self._write("INSERT INTO results VALUES (?,?,?,?,?,?,?)",
                 (call_id, time.time() if finished is None else finished, status, reason,
                  None if response is None else json.dumps(response),
-                 json.dumps([c.to_json() for c in choices]), latency_s))
+                 json.dumps([c.to_json() for c in choices]), latency_s),
+                f"recording the end of call {call_id}")
 
   def add_feedback(self, fb: Feedback) -> bool:
     """Stores `fb` unless a feedback with its id exists (idempotent); True if it was new."""
-    with self._lock:
-      cur = self._db.execute(
-          "INSERT OR IGNORE INTO feedback VALUES (?,?,?,?,?,?,?,?,?)",
-          (fb.id, fb.tenant, fb.session, fb.call_id, fb.created, fb.grade,
-           None if fb.rubric is None else json.dumps(fb.rubric), fb.text, fb.source))
-      return cur.rowcount == 1
+    return self._write(
+        "INSERT OR IGNORE INTO feedback VALUES (?,?,?,?,?,?,?,?,?)",
+        (fb.id, fb.tenant, fb.session, fb.call_id, fb.created, fb.grade,
+         None if fb.rubric is None else json.dumps(fb.rubric), fb.text, fb.source),
+        f"recording feedback {fb.id}") == 1
 
   def add_session_key(self, key: str, tenant: str, session: str) -> None:
-    self._write("INSERT INTO session_keys VALUES (?,?,?,?)", (key, tenant, session, time.time()))
+    self._write("INSERT INTO session_keys VALUES (?,?,?,?)", (key, tenant, session, time.time()),
+                f"recording a key of session {session}")
 
   # -- reading --------------------------------------------------------------------------------
 
@@ -307,17 +365,31 @@ class TraceStore:
     out = pathlib.Path(path)
     tmp = out.with_name(out.name + ".tmp")
     n = 0
-    with open(tmp, "w") as f:
-      for t in ([tenant] if tenant else self.tenants()):
-        for c in self.calls(t):
-          f.write(json.dumps({"schema_version": SCHEMA_VERSION, "type": "call", **c.to_json()})
-                  + "\n")
-          n += 1
-        for fb in self.feedback(t):
-          f.write(json.dumps({"schema_version": SCHEMA_VERSION, "type": "feedback",
-                              **dataclasses.asdict(fb)}) + "\n")
-          n += 1
-    tmp.replace(out)
+    try:
+      with open(tmp, "w") as f:
+        for t in ([tenant] if tenant else self.tenants()):
+          for c in self.calls(t):
+            f.write(json.dumps({"schema_version": SCHEMA_VERSION, "type": "call", **c.to_json()})
+                    + "\n")
+            n += 1
+          for fb in self.feedback(t):
+            f.write(json.dumps({"schema_version": SCHEMA_VERSION, "type": "feedback",
+                                **dataclasses.asdict(fb)}) + "\n")
+            n += 1
+        f.flush()
+        os.fsync(f.fileno())
+      tmp.replace(out)
+    except BaseException as e:
+      try:
+        tmp.unlink(missing_ok=True)
+      except OSError:  # a read-only directory refuses even this (EROFS): no tmp was made there
+        pass
+      code = disk_errno(e) if isinstance(e, Exception) else None
+      if code is None:
+        raise
+      raise StoreWriteError(f"trace export to {out} failed: {disk_cause(code)}"
+                            f"{free_note(code, out.parent)}; {out} is as it was; "
+                            f"{disk_fix(code, out.parent)}", code) from e
     return n
 
   def import_jsonl(self, path: str) -> tuple[int, list[str]]:
@@ -336,13 +408,20 @@ class TraceStore:
           errors.append(f"{path}:{lineno}: {e}")
     stored = 0
     with self._lock:
-      self._db.execute("BEGIN IMMEDIATE")
       try:
-        for kind, rec in records:
-          stored += self._insert_imported(kind, rec)
-        self._db.execute("COMMIT")
-      except BaseException:
-        self._db.execute("ROLLBACK")
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+          for kind, rec in records:
+            stored += self._insert_imported(kind, rec)
+          self._db.execute("COMMIT")
+        except BaseException:
+          if self._db.in_transaction:  # SQLite may have rolled back a failed COMMIT itself
+            self._db.execute("ROLLBACK")
+          raise
+      except sqlite3.Error as e:
+        fault = _disk_fault(e, self.path, f"importing {path}")
+        if fault is not None:
+          raise fault from e
         raise
     return stored, errors
 

@@ -18,11 +18,22 @@ post-processing (e.g. the CPU repacking), so the result equals a fresh load of t
 checkpoint. The caller must reset the prefix cache afterwards (cached KV blocks were
 computed with the old weights).
 
+Room for the `shm` file. tmpfs allocates a page when it is first touched, and a touch past
+the file system's size is a SIGBUS: the learner died with no message when /dev/shm was
+smaller than the weights (docker's default is 64 MB). `pack_file` therefore checks the room
+first (`statvfs`; a reused file's own pages count as room) and allocates the whole file before
+mapping it (`posix_fallocate`, which fails with ENOSPC instead of a signal); either failure is
+a `DiskWriteError` naming the path, the bytes needed and free, and the fixes (a bigger
+/dev/shm, `VLLMEngineConfig.shm_dir`, or `weight_transport="bytes"`). So is a directory
+where the file cannot be created (read-only, not writable).
+
 This module must import in a vLLM worker process: numpy / torch only, never JAX (the
-safetensors header code it shares with the loader, models/safetensors_io.py, imports none).
+safetensors header code it shares with the loader, models/safetensors_io.py, imports none;
+posttrain_jax.errors is stdlib only).
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import warnings
@@ -30,6 +41,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from posttrain_jax.errors import DiskWriteError, disk_cause, disk_errno, format_bytes
 from posttrain_jax.models.safetensors_io import encode_header, read_header
 
 # safetensors dtype codes <-> numpy / torch dtype names.
@@ -106,19 +118,78 @@ def pack_file(path: str, pairs, dtype: Optional[str] = None) -> int:
   """Writes the buffer to `path` through a shared mapping (no intermediate copy); its size.
 
   An existing file is overwritten in place: on tmpfs its pages stay allocated (a fresh file
-  pays for allocating and zeroing them on every update).
+  pays for allocating and zeroing them on every update). The file is allocated in full
+  before it is mapped, so a file system without room raises `DiskWriteError` (module
+  docstring) instead of killing the process with SIGBUS; a file this call created is then
+  removed.
   """
   header, items, total = pack_layout(pairs, dtype)
   size = len(header) + total
-  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+  existed = os.path.exists(path)
   try:
-    os.ftruncate(fd, size)
-    with mmap.mmap(fd, size, flags=_MAP_FLAGS) as m:
-      pack_into(m, header, items)
-      del items
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+  except OSError as e:
+    code = disk_errno(e)
+    if code is None:
+      raise
+    raise DiskWriteError(f"weight-sync buffer {path}: cannot create it: {disk_cause(code)}; "
+                         + _FIXES, code) from e
+  try:
+    try:
+      _allocate(fd, path, size)
+      with mmap.mmap(fd, size, flags=_MAP_FLAGS) as m:
+        pack_into(m, header, items)
+        del items
+    except BaseException:
+      if not existed:
+        os.unlink(path)
+      raise
   finally:
     os.close(fd)
   return size
+
+
+def _allocate(fd: int, path: str, size: int) -> None:
+  """Makes the open file `path` exactly `size` bytes, every page allocated, or raises
+  `DiskWriteError` (the room is checked first: statvfs's free bytes + the file's own)."""
+  if os.fstat(fd).st_size > size:
+    os.ftruncate(fd, size)  # a smaller update than the last: give the tail back first
+  held = os.fstat(fd).st_blocks * 512
+  vfs = os.fstatvfs(fd)
+  free = vfs.f_bavail * vfs.f_frsize
+  if size > held + free:
+    raise _no_room(path, size, held, free, vfs.f_blocks * vfs.f_frsize)
+  if not hasattr(os, "posix_fallocate"):  # not Linux: the check above is all we can do
+    os.ftruncate(fd, size)
+    return
+  try:
+    os.posix_fallocate(fd, 0, size)
+  except OSError as e:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the room went to someone else meanwhile
+      free = os.fstatvfs(fd).f_bavail * vfs.f_frsize
+      raise _no_room(path, size, os.fstat(fd).st_blocks * 512, free,
+                     vfs.f_blocks * vfs.f_frsize) from e
+    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+      code = disk_errno(e)
+      if code is None:
+        raise
+      raise DiskWriteError(f"weight-sync buffer {path}: cannot allocate {format_bytes(size)}: "
+                           f"{disk_cause(code)}; " + _FIXES, code) from e
+    os.ftruncate(fd, size)  # a file system without fallocate: the room was checked above
+
+
+def _no_room(path: str, size: int, held: int, free: int, capacity: int) -> DiskWriteError:
+  d = os.path.dirname(os.path.abspath(path))
+  mine = f" + {format_bytes(held)} this buffer already holds" if held else ""
+  return DiskWriteError(
+      f"weight-sync buffer {path}: needs {format_bytes(size)}, but {d} (a file system of "
+      f"{format_bytes(capacity)}) has {format_bytes(free)} free{mine}. Give it room (docker run "
+      f"--shm-size=<more than {format_bytes(size)}>; Kubernetes: an emptyDir with medium: "
+      f"Memory on /dev/shm), or {_FIXES}", errno.ENOSPC)
+
+
+_FIXES = ("point VLLMEngineConfig.shm_dir (config.rl.engine_config.shm_dir) at a writable "
+          "RAM-backed directory with room, or set weight_transport='bytes' (no file; slower)")
 
 
 def unpack_torch(buf):

@@ -10,6 +10,7 @@ Names: our parameter path `layers.3.self_attn.q_proj.kernel` is HF's
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -172,11 +173,13 @@ class ExportError(RuntimeError):
   cause itself)."""
 
 
-def _shard_plan(model: Decoder, dtype: Optional[str], max_shard_bytes: int) -> list[list[str]]:
+def _shard_plan(model: Decoder, dtype: Optional[str],
+                max_shard_bytes: int) -> tuple[list[list[str]], int]:
   """HF names grouped into safetensors files of at most `max_shard_bytes` (a tensor larger than
-  that gets a file of its own), in `hf_tensors` order, from the shapes alone."""
+  that gets a file of its own), in `hf_tensors` order, from the shapes alone; and the tensors'
+  total bytes."""
   np_dtype = _export_dtype(dtype)
-  shards, size = [[]], 0
+  shards, size, total = [[]], 0, 0
   for ours, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     itemsize = np.dtype(var.dtype if np_dtype is None else np_dtype).itemsize
     nbytes = int(np.prod(var.shape, dtype=np.int64)) * itemsize
@@ -185,21 +188,36 @@ def _shard_plan(model: Decoder, dtype: Optional[str], max_shard_bytes: int) -> l
       size = 0
     shards[-1].append(hf_name(ours)[0])
     size += nbytes
-  return shards
+    total += nbytes
+  return shards, total
 
 
-def _write_export(tensors: Iterator[tuple[str, np.ndarray]], plan: list[list[str]], cfg,
-                  out_dir: pathlib.Path, tokenizer_dir: Optional[os.PathLike]) -> None:
+@contextlib.contextmanager
+def _naming(fname: str):
+  """An OS error without a file name (a failed `write`) gets `fname`, for the message."""
+  try:
+    yield
+  except OSError as e:
+    if e.filename is not None or e.errno is None:  # named already, or not the OS's error
+      raise
+    raise OSError(e.errno, e.strerror, fname) from e
+
+
+def _write_export(tensors: Iterator[tuple[str, np.ndarray]], plan: list[list[str]], nbytes: int,
+                  cfg, out_dir: pathlib.Path, tokenizer_dir: Optional[os.PathLike]) -> None:
   """Writes the directory from `tensors`, each safetensors file as soon as its last tensor
-  arrives (host memory: one file's tensors), all under a temporary name renamed at the end."""
-  with atomic_directory(out_dir) as tmp:
+  arrives (host memory: one file's tensors), all under a temporary name renamed at the end.
+  A full or read-only disk: `DiskWriteError` naming the file, the `nbytes` to write and the
+  fix (models/fsutil.py); `out_dir` is left as it was."""
+  with atomic_directory(out_dir, nbytes) as tmp:
     weight_map, total = {}, 0
     for i, names in enumerate(plan):
       fname = ("model.safetensors" if len(plan) == 1
                else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors")
       shard = [next(tensors) for _ in names]
       assert [n for n, _ in shard] == names, "hf_tensors and _shard_plan disagree on the order"
-      write_safetensors(tmp / fname, shard)
+      with _naming(fname):
+        write_safetensors(tmp / fname, shard)
       weight_map.update({name: fname for name in names})
       total += sum(arr.nbytes for _, arr in shard)
       del shard
@@ -229,16 +247,16 @@ def save_hf_model(model: Decoder, out_dir: os.PathLike, *, tokenizer_dir: Option
   """
   out_dir = pathlib.Path(out_dir)
   cfg = model.cfg if dtype is None else model.cfg.replace(param_dtype=dtype)
-  plan = _shard_plan(model, dtype, max_shard_bytes)
+  plan, nbytes = _shard_plan(model, dtype, max_shard_bytes)
   tensors = hf_tensors(model, dtype)
   if jax.process_count() == 1:
-    _write_export(tensors, plan, cfg, out_dir, tokenizer_dir)
+    _write_export(tensors, plan, nbytes, cfg, out_dir, tokenizer_dir)
     return out_dir
   from jax.experimental import multihost_utils
   error = None
   if jax.process_index() == 0:
     try:
-      _write_export(tensors, plan, cfg, out_dir, tokenizer_dir)
+      _write_export(tensors, plan, nbytes, cfg, out_dir, tokenizer_dir)
     except Exception as e:  # re-raised below, once the others are released
       error = e
   for _ in tensors:  # the others' gathers (and process 0's, after a failed write) need everyone
