@@ -23,7 +23,7 @@ from typing import Iterable, Optional
 
 import jax
 
-from posttrain_jax.errors import UserError
+from posttrain_jax.errors import DiskWriteError, UserError, disk_cause, disk_errno, disk_fix, free_note
 
 
 class MetricsWriter:
@@ -36,15 +36,23 @@ class MetricsWriter:
     self.rows = 0                  # lines in the file (kept on resume + written)
     if not self._enabled:
       return
-    self.workdir.mkdir(parents=True, exist_ok=True)
-    if self.path.exists():
-      keep = [r for r in read_metrics(self.path) if resume_step is not None and r["step"] <= resume_step]
-      keep = keep if resume_rows is None else keep[:resume_rows]
-      self.rows = len(keep)
-      tmp = self.path.with_name(self.path.name + ".tmp")
-      tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-      tmp.replace(self.path)
-    self._file = open(self.path, "a")
+    try:
+      self.workdir.mkdir(parents=True, exist_ok=True)
+      if self.path.exists():
+        keep = [r for r in read_metrics(self.path)
+                if resume_step is not None and r["step"] <= resume_step]
+        keep = keep if resume_rows is None else keep[:resume_rows]
+        self.rows = len(keep)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+          tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        except OSError:
+          tmp.unlink(missing_ok=True)
+          raise
+        tmp.replace(self.path)
+      self._file = open(self.path, "a")
+    except OSError as e:
+      raise self._disk_error("cannot be opened for writing", e) from e
     if tensorboard:
       from tensorboardX import SummaryWriter
       self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
@@ -53,18 +61,33 @@ class MetricsWriter:
     if not self._enabled:
       return
     row = {"step": step, **{k: _finite(v) for k, v in metrics.items()}}
-    self._file.write(json.dumps(row) + "\n")
-    self._file.flush()
+    try:
+      self._file.write(json.dumps(row) + "\n")
+      self._file.flush()
+    except OSError as e:
+      raise self._disk_error(f"the row of step {step} was not written", e) from e
     self.rows += 1
     if self._tb is not None:
       for k, v in metrics.items():
         if isinstance(v, (int, float)) and math.isfinite(v):
           self._tb.add_scalar(k, v, step)
 
+  def _disk_error(self, what: str, e: OSError) -> DiskWriteError:
+    """`e` (a write or open of metrics.jsonl) as an error naming the file and the fix. A row
+    cut part-way is a torn last line, which the next resume drops (read_metrics)."""
+    code = disk_errno(e)
+    return DiskWriteError(
+        f"metrics {self.path}: {what}: {disk_cause(code)}{free_note(code, self.workdir)}; the "
+        f"complete rows before it are kept; {disk_fix(code, self.workdir, elsewhere=False)}, then "
+        "rerun the same command to resume from the last checkpoint", code)
+
   def close(self) -> None:
     if not self._enabled:
       return
-    self._file.close()
+    try:
+      self._file.close()
+    except OSError:
+      pass  # what it could not flush was reported by write()
     if self._tb is not None:
       self._tb.close()
 

@@ -69,6 +69,7 @@ from posttrain_jax.engines.base import EngineError, SamplingParams
 from posttrain_jax.engines.registry import EngineContext, engine_spec
 from posttrain_jax.envs import GraderError, TaskBank, make_grader, solution_text
 from posttrain_jax.envs.env import EnvInfraError
+from posttrain_jax.errors import DiskWriteError, disk_cause, disk_errno, disk_fix, free_note
 from posttrain_jax.learner import Learner, abstract_train_state
 from posttrain_jax.losses import get_loss
 from posttrain_jax.metrics import MetricsWriter, plot_run, read_metrics
@@ -127,7 +128,13 @@ class Trainer:
     self.tasks = self.bank.iterator()
     self.held_out = self.bank.eval_tasks()
     self.grader = make_grader(cfg.grader, cfg.grader_cfg())
-    self.workdir.mkdir(parents=True, exist_ok=True)   # after the checks: a bad config leaves none
+    try:
+      self.workdir.mkdir(parents=True, exist_ok=True)  # after the checks: a bad config leaves none
+    except OSError as e:
+      code = disk_errno(e)
+      raise DiskWriteError(f"cannot use workdir {self.workdir}: {disk_cause(code)}"
+                           f"{free_note(code, self.workdir)}; {disk_fix(code, self.workdir)}",
+                           code) from e
     self.ckpt = Checkpointer(self.workdir / "checkpoints", cfg.checkpoint)
     self.sft_dir = self.workdir / "sft_model"
     self.total_steps = cfg.sft.steps + cfg.rl.steps
@@ -583,8 +590,10 @@ class Trainer:
       if hasattr(self._engine_obj, "close"):
         self._engine_obj.close()  # vLLM: stop its engine-core process now, not at interpreter exit
       bar.close()
-      self.ckpt.wait()
-      writer.close()
+      try:
+        self.ckpt.wait()  # an async save's write error surfaces here...
+      finally:
+        writer.close()    # ...and the metrics file is still closed
     return self._finish(time.perf_counter() - t_start)
 
   def _finish(self, seconds: float) -> dict:

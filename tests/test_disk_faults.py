@@ -255,21 +255,60 @@ def test_metrics_rows_survive_a_full_disk(small_fs):
     w.write(s, {"loss": float(s)})
   good = (fs / "metrics.jsonl").read_bytes()
   with full(fs):
-    with pytest.raises(OSError) as e:
+    with pytest.raises(DiskWriteError) as e:
       for s in range(3, 1000):
         w.write(s, {"loss": float(s), "pad": "x" * 1000})
     assert e.value.errno == errno.ENOSPC
-    with contextlib.suppress(OSError):
-      w.close()   # its buffer cannot be flushed either
+    msg = str(e.value)
+    assert msg.startswith(f"metrics {fs / 'metrics.jsonl'}: the row of step "), msg
+    assert "no space left on device (ENOSPC)" in msg and "free there" in msg, msg
+    assert "the complete rows before it are kept" in msg and "rerun the same command" in msg
+    w.close()   # its buffer cannot be flushed either: reported by write() already
     rows = read_metrics(fs / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) >= 3
-    with pytest.raises(OSError):
+    with pytest.raises(DiskWriteError, match="cannot be opened for writing: no space left"):
       MetricsWriter(fs, tensorboard=False, resume_step=1)   # the rewrite cannot be written...
     assert (fs / "metrics.jsonl").read_bytes().startswith(good)   # ...nor replace the file
+    assert not (fs / "metrics.jsonl.tmp").exists()
   w = MetricsWriter(fs, tensorboard=False, resume_step=2)
   w.write(3, {"loss": 3.0})
   w.close()
   assert [r["step"] for r in read_metrics(fs / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+def test_a_run_on_a_read_only_workdir_is_one_clear_error(small_fs):
+  from posttrain_jax.trainer import Trainer
+  from tests.test_trainer import tiny_run
+  fs = small_fs("1m")
+  with read_only(fs):
+    with pytest.raises(DiskWriteError) as e:
+      Trainer(tiny_run(fs / "run"), log=lambda *_: None)
+  assert str(e.value) == (f"cannot use workdir {fs / 'run'}: read-only file system (EROFS); "
+                          f"make {fs / 'run'} writable (or write elsewhere)")
+
+
+def test_the_proxy_answers_507_when_its_trace_store_is_full(small_fs):
+  """A call the store cannot record is refused with 507 and the store's message, never
+  answered 200 unrecorded (nor a bare 500 'internal error'); with room again it records."""
+  import openai
+  from tests import byoh_testing as bt
+  from tests.test_byoh_proxy import _client, _scripted
+  fs = small_fs("4m")
+  with bt.running(_scripted(["4"]), fs / "t.db") as (url, proxy):
+    client = _client(url, "s")
+    ask = dict(model="posttrain_jax", max_tokens=8,
+               messages=[{"role": "user", "content": "2+2? " + "pad " * (4 << 10)}])
+    client.chat.completions.create(**ask)
+    with full(fs):
+      with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(**ask)
+    assert e.value.status_code == 507, e.value
+    body = e.value.body
+    assert body["code"] == "insufficient_storage" and body["type"] == "server_error", body
+    assert "no space left on device (ENOSPC)" in body["message"], body
+    assert str(fs / "t.db") in body["message"], body
+    client.chat.completions.create(**ask)
+    assert [c.status for c in proxy.store.calls("default", "s")] == ["complete"] * 2
 
 
 # ------------------------------------------------------------------ HF export

@@ -24,6 +24,7 @@ from posttrain_jax.byoh import json_text
 from posttrain_jax.byoh import openai_api as api
 from posttrain_jax.byoh.server import Proxy
 from posttrain_jax.engines.base import EngineError
+from posttrain_jax.errors import DiskWriteError
 
 
 def _error(e: api.ApiError) -> JSONResponse:
@@ -59,6 +60,10 @@ def build_app(proxy: Proxy) -> FastAPI:
   async def _http_error(_, e: StarletteHTTPException):
     return _error(api.ApiError(e.status_code, str(e.detail), None, "not_found"
                                if e.status_code == 404 else None))
+
+  @app.exception_handler(DiskWriteError)
+  async def _disk(_, e: DiskWriteError):  # the trace store could not record: never a silent 200
+    return _error(api.ApiError(507, str(e), None, "insufficient_storage", "server_error"))
 
   @app.exception_handler(Exception)
   async def _bug(_, e: Exception):  # a bug of ours: still an OpenAI-shaped body, and a 500
