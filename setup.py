@@ -54,6 +54,7 @@ _CORE = [
     "fastapi>=0.110",  # the recording proxy (posttrain_jax/byoh/, launch/serve.py)
     "uvicorn>=0.29",
     "starlette",  # imported directly for its HTTPException (404s in the OpenAI error shape)
+    "psutil",  # engines/vllm_engine.py watches vLLM's engine-core and worker processes
 ]
 
 setup(
