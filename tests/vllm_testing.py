@@ -148,3 +148,22 @@ def check_prompts_beyond_one_steps_token_budget(engine) -> None:
   a, b = engine.generate(prompts, sp, n=2, seed=3), engine.generate(prompts, sp, n=2, seed=3)
   assert [len(c.token_ids) for comps in a for c in comps] == [6] * 48
   assert [c.token_ids for comps in a for c in comps] == [c.token_ids for comps in b for c in comps]
+
+
+def check_run_rode_out_step_3(workdir: pathlib.Path, result, header: str = "") -> None:
+  """A 5-step GRPO run whose engine was killed during step 3's rollouts: every step trained,
+  only step 3 shows engine errors and retries, the learner's log-probs equal the engine's at
+  every step (a restarted engine serving its start weights under the current tag breaks
+  that), and the held-out eval after RL ran. Prints the per-step table."""
+  from posttrain_jax.metrics import read_metrics
+  rows = [r for r in read_metrics(pathlib.Path(workdir) / "metrics.jsonl") if "reward/mean" in r]
+  print(f"\n{header}" + "\n".join(
+      f"v{r['policy_version']}: engine_errors {r['rollout/engine_errors']:.0f} "
+      f"retries {r['rollout/retries']:.0f} step {r['time/step_s']:.1f} s "
+      f"|dlogp| {r['correction/abs_logp_diff']:.1e}" for r in rows))
+  assert [r["policy_version"] for r in rows] == [1, 2, 3, 4, 5]
+  by_version = {r["policy_version"]: r for r in rows}
+  assert by_version[3]["rollout/engine_errors"] >= 1 and by_version[3]["rollout/retries"] >= 1
+  assert all(by_version[v]["rollout/engine_errors"] == 0 for v in (1, 2, 4, 5))
+  assert max(r["correction/abs_logp_diff"] for r in rows) < 1e-3
+  assert np.isfinite(result["heldout_after"])

@@ -84,7 +84,7 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 
 
-from posttrain_jax.engines import vllm_worker
+from posttrain_jax.engines import vllm_procs, vllm_worker
 from posttrain_jax.engines.base import Completion, EngineError, PromptTooLongError, SamplingParams
 from posttrain_jax.engines.registry import DecoderWeights, EngineContext, register_engine
 
@@ -390,15 +390,11 @@ class VLLMEngine:
 
   def core_pids(self) -> list[int]:
     """The live processes behind this engine: vLLM's engine core(s) and their workers."""
-    return [] if self._llm is None else _family(self._llm)
+    return [] if self._llm is None else vllm_procs.family(self._llm)
 
   def kill_core(self, sig: int = signal.SIGKILL) -> None:
     """Sends `sig` to every engine-core process (tests; a hung core is killed the same way)."""
-    for pid in self.core_pids():
-      try:
-        os.kill(pid, sig)
-      except ProcessLookupError:
-        pass
+    vllm_procs.kill(self.core_pids(), sig)
 
   def __enter__(self):
     return self
@@ -466,7 +462,7 @@ class VLLMEngine:
       raise EngineError(f"vLLM could not start on model directory {self._kwargs['model']}: "
                         f"{type(e).__name__}: {e}") from e
     self.startup_s = time.perf_counter() - t0
-    self._watch = _family(llm)  # the core(s), then their workers
+    self._watch = vllm_procs.family(llm)  # the core(s), then their workers
     return llm
 
   def _watched(self, what: str, call):
@@ -484,21 +480,21 @@ class VLLMEngine:
     deadline = time.monotonic() + self.cfg.request_timeout_s
     worker.start()
     while worker.is_alive():
-      worker.join(_POLL_S)
+      worker.join(vllm_procs.POLL_S)
       if not worker.is_alive():
         break
-      dead = _why_dead(llm, watch)
+      dead = vllm_procs.why_dead(llm, watch)
       if dead is None and time.monotonic() > deadline:
         dead = (f"no answer within request_timeout_s={self.cfg.request_timeout_s:g} s "
                 "(a hung engine core); its processes were killed")
         self.kill_core()
       if dead is not None:
         self._dead = f"{what}: {dead}"
-        _wake(llm)
+        vllm_procs.wake(llm)
         raise EngineError(f"vLLM {what} failed: {dead}; the engine restarts before its next call")
     if "err" in box:
       e = box["err"]
-      dead = _why_dead(llm, watch)
+      dead = vllm_procs.why_dead(llm, watch)
       if dead is not None:
         self._dead = f"{what}: {dead}"
       if not isinstance(e, Exception):
@@ -542,14 +538,14 @@ class VLLMEngine:
 
   def _stop(self, llm) -> None:
     """Shuts `llm` down and kills what of its process family is left (no orphaned worker)."""
-    family = _family(llm)
+    family = vllm_procs.family(llm)
     core = getattr(llm.llm_engine, "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
       try:
         core.shutdown()
       except Exception:  # a dead core's sockets are gone: the kill below does the rest
         pass
-    _kill(family)
+    vllm_procs.kill(family)
 
   def _complete(self, names: list[str]) -> bool:
     """Do `names` cover every tensor of the served checkpoint (a whole-model update)?"""
@@ -562,68 +558,6 @@ class VLLMEngine:
       path = os.path.join(d, f"ptj-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}.safetensors")
       self._shm = (path, weakref.finalize(self, _unlink, path))
     return self._shm[0]
-
-
-_POLL_S = 0.2  # how often a watched call checks the core's health
-
-
-def _core_procs(llm) -> list:
-  core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-  manager = getattr(getattr(core, "resources", None), "engine_manager", None)
-  return list(getattr(manager, "processes", None) or [])
-
-
-def _family(llm) -> list[int]:
-  """Live pids of `llm`'s engine-core processes and all their descendants."""
-  import psutil
-  pids = []
-  for proc in _core_procs(llm):
-    try:
-      p = psutil.Process(proc.pid)
-      pids += [p.pid] + [c.pid for c in p.children(recursive=True)]
-    except psutil.Error:
-      continue
-  return pids
-
-
-def _why_dead(llm, watched: Sequence[int]) -> Optional[str]:
-  """None while `llm`'s engine core looks alive, else what is wrong with it. `watched`: the
-  core and worker pids seen at start-up (not every descendant: a worker's own short-lived
-  helpers come and go)."""
-  import psutil
-  core = getattr(llm.llm_engine, "engine_core", None)
-  if getattr(getattr(core, "resources", None), "engine_dead", False):
-    return "vLLM marked its engine core dead"
-  for pid in watched:
-    try:
-      if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-        continue
-    except psutil.NoSuchProcess:
-      pass
-    except psutil.Error:
-      continue
-    return f"vLLM engine process {pid} (the engine core or a worker) exited"
-  return None
-
-
-def _wake(llm) -> None:
-  """Unblocks a call abandoned in a dead `llm` (vLLM's queue otherwise waits forever)."""
-  core = getattr(llm.llm_engine, "engine_core", None)
-  queue = getattr(core, "outputs_queue", None)
-  if queue is not None and hasattr(queue, "put_nowait"):
-    try:
-      from vllm.v1.engine.exceptions import EngineDeadError
-      queue.put_nowait(EngineDeadError())
-    except Exception:  # best effort: the abandoned thread is a daemon either way
-      pass
-
-
-def _kill(pids: list[int]) -> None:
-  for pid in pids:
-    try:
-      os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-      pass
 
 
 __all__ = ["VLLMEngine", "VLLMEngineConfig", "WeightSyncStats", "check_model_dir",
