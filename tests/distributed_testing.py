@@ -5,6 +5,11 @@ Each process runs `code` with `devices` CPU devices of its own
 `sharding.initialize_distributed()` reads; together they form one job of N x devices devices.
 A job that has not finished within `timeout` seconds is killed and the test fails (a
 collective that one process never enters hangs the others: that must fail, not hang).
+
+jaxlib's Gloo CPU collectives write `[Gloo] Rank i is connected to ...` to stdout (C++,
+not through Python) whenever a connection handshake is slow, e.g. on a loaded machine, and
+it can come after the worker's own last line; `run_processes` drops those lines so a test
+reads only what its worker printed (CI stop 22 failed on one).
 """
 import os
 import pathlib
@@ -55,4 +60,9 @@ def run_processes(code: str, cwd: os.PathLike, *, processes: int = 2, devices: i
                 pytrace=False)
   if any(p.returncode for p in procs):
     pytest.fail(f"a process of the {processes}-process job failed\n{report}", pytrace=False)
-  return [out for out, _ in outs]
+  return [_without_gloo_chatter(out) for out, _ in outs]
+
+
+def _without_gloo_chatter(stdout: str) -> str:
+  return "".join(line for line in stdout.splitlines(keepends=True)
+                 if not line.startswith("[Gloo] "))
