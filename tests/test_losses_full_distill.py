@@ -224,3 +224,65 @@ def test_hand_computed_case(kind, want):
   assert float(loss) == pytest.approx(want, abs=2e-6)
   if kind == "forward_kl":
     np.testing.assert_allclose(np.asarray(gw), [[-0.25, 0.25]], atol=1e-6)
+
+
+# One token, V = 4, k = 2, h = 1, τ = 1 (so dW = d/d logits): student logits (ln 4, ln 2, 0, 0),
+# S = (1/2, 1/4, 1/8, 1/8); teacher logits (0, ln 3, ln 3, 0), T = (1/8, 3/8, 3/8, 1/8). The
+# student's top-2 are ids (0, 1) (the teacher's would be (1, 2)), so the buckets are
+#   S_b = (1/2, 1/4, tail 1 - 3/4 = 1/4),   T_b = (1/8, 3/8, tail 1 - 1/2 = 1/2).
+HAND_TOPK_STUDENT = [np.log(4.0), np.log(2.0), 0.0, 0.0]
+HAND_TOPK_TEACHER = [0.0, np.log(3.0), np.log(3.0), 0.0]
+
+
+def _hand_topk(cfg):
+  """(loss, d loss / d W [1, 4]) for the one-token top-k case above."""
+  one = np.ones((1, 1))
+  batch = np_batch(input_ids=one, target_ids=one, loss_mask=one, positions=0 * one,
+                   segment_ids=one, seq_ids=0 * one, seq_valid=np.ones(1), advantages=0 * one,
+                   teacher_mask=one, teacher_hidden=np.ones((1, 1, 1)))
+  f = lambda w: get_loss("full_distill").fn(
+      HeadInputs(jnp.ones((1, 1)), w, False, 1.0, jnp.array([HAND_TOPK_TEACHER])), batch, cfg)[0]
+  loss, gw = jax.value_and_grad(f)(jnp.array([HAND_TOPK_STUDENT], jnp.float32))
+  return float(loss), np.asarray(gw)
+
+
+@pytest.mark.parametrize("kind, beta, want", [
+    ("forward_kl", 0.5, 0.325336), ("reverse_kl", 0.5, 0.418494), ("jsd", 0.5, 0.087762),
+    ("jsd", 0.3, 0.070922)])
+def test_hand_computed_topk_and_tail_case(kind, beta, want):
+  """Over the buckets S_b = (1/2, 1/4, 1/4), T_b = (1/8, 3/8, 1/2):
+  KL(T||S) = 1/8 ln(1/4) + 3/8 ln(3/2) + 1/2 ln 2 = 3/8 ln 3 - 1/8 ln 2 = 0.325336;
+  KL(S||T) = 1/2 ln 4 + 1/4 ln(2/3) + 1/4 ln(1/2) = ln 2 - 1/4 ln 3 = 0.418494.
+  JSD_0.5: M = (5/16, 5/16, 3/8), KL(T||M) = 1/8 ln(2/5) + 3/8 ln(6/5) + 1/2 ln(4/3) = 0.097675,
+  KL(S||M) = 1/2 ln(8/5) + 1/4 ln(4/5) + 1/4 ln(2/3) = 0.077850, JSD = (0.097675 + 0.077850) / 2
+  = 0.087762.
+  JSD_0.3: M = 0.3 T + 0.7 S = (31/80, 23/80, 13/40), KL(T||M) = 1/8 ln(10/31) + 3/8 ln(30/23)
+  + 1/2 ln(20/13) = 0.173605, KL(S||M) = 1/2 ln(40/31) + 1/4 ln(20/23) + 1/4 ln(10/13) = 0.026915,
+  JSD = 0.3 · 0.173605 + 0.7 · 0.026915 = 0.070922 (β swapped, 0.7, would give 0.077738).
+  For contrast: the full vocabulary's KL(T||S) is 0.390742, and the teacher's top-2 as the
+  buckets would give T_b = (3/8, 3/8, 1/4), S_b = (1/4, 1/8, 5/8)."""
+  loss, _ = _hand_topk(FullDistillConfig(topk=2, divergence=kind, beta=beta))
+  assert loss == pytest.approx(want, abs=2e-6)
+
+
+@pytest.mark.parametrize("kind, beta, want", [
+    ("forward_kl", 0.5, [0.375, -0.125, -0.125, -0.125]),
+    ("jsd", 0.5, [0.098038, -0.037624, -0.030207, -0.030207]),
+    ("jsd", 0.3, [0.079792, -0.029168, -0.025312, -0.025312])])
+def test_hand_computed_topk_and_tail_gradient(kind, beta, want):
+  """d D / d z_j with b(j) the bucket of id j (the tail for j outside the top-k): through
+  d ln S_i / d z_j = δ_ij - s_j (i in the top-k) and d ln S_tail / d z_j = [j ∉ top-k] s_j / S_tail
+  - s_j,
+    forward_kl: s_j - T_b(j) s_j / S_b(j) = s_j - t_j in the top-k, s_j (1 - T_tail / S_tail) in the
+      tail: (1/2 - 1/8, 1/4 - 3/8, 1/8 (1 - 2), 1/8 (1 - 2)) = (3/8, -1/8, -1/8, -1/8)
+      (the full vocabulary's s - t would be (3/8, -1/8, -1/4, 0): the tail bucket shares T_tail
+      in the student's proportions);
+    jsd: dD/dS_b = (1 - β) ln(S_b / M_b) =: g_b, so dD/dz_j = s_j (g_b(j) - Σ_b S_b g_b).
+      β = 0.5: g = 1/2 (ln(8/5), ln(4/5), ln(2/3)) = (0.235002, -0.111572, -0.202733),
+      Σ S g = 0.038925, dz = (1/2 · 0.196077, 1/4 · -0.150497, 1/8 · -0.241657, same)
+      = (0.098038, -0.037624, -0.030207, -0.030207).
+      β = 0.3: g = 0.7 (ln(40/31), ln(20/23), ln(10/13)) = (0.178425, -0.097833, -0.183655),
+      Σ S g = 0.018840, dz = (0.079792, -0.029168, -0.025312, -0.025312).
+  h = 1 and τ = 1, so d loss / d W = dz; each row sums to 0 (softmax shift invariance)."""
+  _, gw = _hand_topk(FullDistillConfig(topk=2, divergence=kind, beta=beta))
+  np.testing.assert_allclose(gw, [want], atol=2e-6)
