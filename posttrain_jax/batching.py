@@ -28,7 +28,7 @@ block_n = min(block_n, N) and masks a partial edge block), so any bucket is vali
 a multiple of row_multiple (the row shards × micro-batches, which must divide them).
 Multi-process: every process must feed the jitted step the same shape, so the shape must not
 come from one host's rows alone: `agree` maps this process's shape to the job's (rl_step
-passes learner.max_over_processes, an all-gather of the two ints), a shape every process
+passes multihost.max_over_processes, an all-gather of the two ints), a shape every process
 computes identically.
 """
 from __future__ import annotations

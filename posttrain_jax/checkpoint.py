@@ -13,7 +13,15 @@ arrays back onto the live state's tree structure and shardings. Other arrays the
 restored by name into the structure and shardings of a live tree (`restore_arrays`).
 
 The side-car is copied when `save` is called (JSON round trip): with `async_save` orbax writes
-it later, and the caller's lists and dicts may have moved on by then. Temporary directories an
+it later, and the caller's lists and dicts may have moved on by then.
+
+Multi-process jobs: the side-car is per process (each host iterates its own shard of the task
+bank and holds its own rollout queue), but orbax writes a JSON item from the primary process
+only. So `save` gathers every process's side-car (`multihost.all_gather_json`) and the primary
+writes `{"process_count": n, "per_process": [extra_0, ..., extra_{n-1}]}`; `read_extra` /
+`restore` hand each process its own entry. A checkpoint is resumed by as many processes as
+wrote it (a different count is an error naming both: the data iterators' positions cannot be
+split or merged). A one-process checkpoint is the side-car itself, as before. Temporary directories an
 interrupted save left behind are deleted by the next Checkpointer of the directory (in the
 background from its start, finished before its first save).
 
@@ -39,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import json
 import os
 import pathlib
 import shutil
@@ -52,8 +59,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from posttrain_jax.errors import (DiskWriteError, disk_cause, disk_errno, disk_fix, format_bytes,
+from posttrain_jax.errors import (DiskWriteError, UserError, disk_cause, disk_errno, disk_fix, format_bytes,
                                   free_note)
+from posttrain_jax.multihost import all_gather_json
 from posttrain_jax.types import TrainState
 
 
@@ -71,6 +79,29 @@ _TMP_SUFFIX = ".orbax-checkpoint-tmp"   # orbax's name for a step directory not 
 
 class CheckpointWriteError(DiskWriteError):
   """A checkpoint could not be written (disk full / read-only ...): the earlier ones are intact."""
+
+
+class ProcessCountError(UserError, ValueError):
+  """A checkpoint resumed by a different number of processes than wrote it."""
+
+
+def _side_car(extra: dict) -> dict:
+  """What is written for this process's `extra` (a copy; see the module docstring)."""
+  everyone = all_gather_json(extra)
+  if len(everyone) == 1:
+    return everyone[0]
+  return {"process_count": len(everyone), "per_process": everyone}
+
+
+def _own(side_car: dict, where: pathlib.Path) -> dict:
+  """This process's entry of a side-car read from `where`."""
+  count = int(side_car.get("process_count", 1)) if "per_process" in side_car else 1
+  if count != jax.process_count():
+    raise ProcessCountError(
+        f"checkpoint {where} was written by {count} process(es) and this job has "
+        f"{jax.process_count()}: each process's data-iterator and rollout state cannot be split "
+        f"or merged; resume with {count} process(es), or start over in a new --workdir")
+  return side_car["per_process"][jax.process_index()] if count > 1 else side_car
 
 
 def crash_point(point: str, step: int) -> None:
@@ -191,7 +222,7 @@ class Checkpointer:
     self.wait()  # an async save still in flight: its fault is reported as its own step's
     with self._disk_faults(step, nbytes):
       self._mngr.save(step, args=ocp.args.Composite(
-          extra=ocp.args.JsonSave(json.loads(json.dumps(extra))),
+          extra=ocp.args.JsonSave(_side_car(extra)),
           **{name: ocp.args.StandardSave(flat) for name, flat in flats.items()}),
           force=True)
     if self.cfg.async_save:
@@ -254,7 +285,8 @@ class Checkpointer:
 
   def read_extra(self, step: int) -> dict:
     """Only the JSON side-car of step `step` (no arrays are read)."""
-    return self._mngr.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))["extra"]
+    out = self._mngr.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))
+    return _own(out["extra"], self.directory / str(step))
 
   def restore(self, like: TrainState, step: Optional[int] = None) -> tuple[TrainState, dict]:
     """Restores step `step` (default: latest) into the structure and shardings of `like`
@@ -267,7 +299,7 @@ class Checkpointer:
     state = _unflatten(dataclasses.replace(like, rng=_key_data(like.rng)), out["state"],
                        self.directory / str(step))
     state = dataclasses.replace(state, rng=jax.random.wrap_key_data(np.asarray(state.rng)))
-    return state, out["extra"]
+    return state, _own(out["extra"], self.directory / str(step))
 
   def has_arrays(self, step: int, name: str) -> bool:
     """Whether checkpoint `step` holds the extra item `name` (see `save`)."""

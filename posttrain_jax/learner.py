@@ -31,6 +31,7 @@ from posttrain_jax.kernels import lm_head as kernels
 from posttrain_jax.losses import get_loss
 from posttrain_jax.losses.base import HeadInputs, LossSpec
 from posttrain_jax.models.decoder import Decoder
+from posttrain_jax.multihost import put_global
 from posttrain_jax.types import TrainBatch, TrainState
 
 
@@ -248,17 +249,6 @@ def abstract_train_state(model: Decoder, cfg: LearnerConfig,
                     rng=jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=rep))
 
 
-def max_over_processes(values) -> tuple[int, ...]:
-  """The element-wise max of `values` (ints) over the processes of the job: what every
-  process must use where each computed its own (e.g. a trimmed batch's shape, which the
-  jitted step and its collectives need the same everywhere). One process: `values` itself."""
-  if jax.process_count() == 1:
-    return tuple(int(v) for v in values)
-  from jax.experimental import multihost_utils
-  gathered = multihost_utils.process_allgather(np.asarray(values, np.int32))
-  return tuple(int(v) for v in np.max(np.asarray(gathered).reshape(jax.process_count(), -1), 0))
-
-
 class Learner:
   """Holds the jitted step and shardings; `step(batch)` returns host metrics.
 
@@ -291,7 +281,7 @@ class Learner:
     self._state_sharding = jax.tree.map(
         lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding)
         else replicated, state)
-    self.state = jax.device_put(state, self._state_sharding)
+    self.state = put_global(state, self._state_sharding)
     self._step = jax.jit(
         functools.partial(train_step, graphdef=self.graphdef, tx=self.tx, spec=self.spec,
                           loss_cfg=self.loss_cfg, cfg=cfg),
@@ -306,9 +296,13 @@ class Learner:
 
   @property
   def row_multiple(self) -> int:
-    """Batch rows must be a multiple of this: the row shards (data × fsdp) × micro-batches."""
+    """This process's batch rows must be a multiple of this: its row shards (data × fsdp /
+    processes) × micro-batches."""
     shards = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-    return shards * self.cfg.micro_batches
+    if shards % jax.process_count():
+      raise ValueError(f"the mesh's {shards} row shards (data x fsdp) must be a multiple of the "
+                       f"{jax.process_count()} processes: each process feeds whole row shards")
+    return shards // jax.process_count() * self.cfg.micro_batches
 
   @property
   def step_count(self) -> int:
@@ -319,20 +313,47 @@ class Learner:
     return nnx.merge(self.graphdef, self.state.params)
 
   def put_batch(self, batch: TrainBatch) -> TrainBatch:
-    """Moves a host batch onto the mesh: rows split over the data axes."""
+    """Moves a host batch onto the mesh: rows split over the data axes.
+
+    Several processes: `batch` is this process's part of the global batch (its rows, its
+    sequences); the global batch is every process's rows in process order, its sequence
+    indices offset by process (seq_ids + process_index · S) and `seq_valid` the processes'
+    [S] vectors end to end. Every process must pass the same shape (fit_shape's `agree`)."""
     if self.mesh is None:
       return jax.tree.map(jnp.asarray, batch)
     rows = NamedSharding(self.mesh, P(("data", "fsdp")))
     rep = NamedSharding(self.mesh, P())
-    return jax.tree.map(lambda x: jax.device_put(x, rows if np.ndim(x) >= 2 else rep), batch)
+    if jax.process_count() == 1:
+      return jax.tree.map(lambda x: jax.device_put(x, rows if np.ndim(x) >= 2 else rep), batch)
+    from jax.experimental import multihost_utils
+    s = int(np.shape(batch.seq_valid)[0])
+    valid = np.asarray(multihost_utils.process_allgather(np.asarray(batch.seq_valid))).reshape(-1)
+    batch = dataclasses.replace(batch, seq_ids=np.asarray(batch.seq_ids) + jax.process_index() * s,
+                                seq_valid=valid)
+    return jax.tree.map(
+        lambda x: (jax.make_array_from_process_local_data(rows, np.asarray(x))
+                   if np.ndim(x) >= 2 else jax.device_put(x, rep)), batch)
 
-  def logprobs(self, batch: TrainBatch, params=None) -> jax.Array:
-    """Per-token log-probs of `batch.target_ids` under `params` (default: current)."""
-    return self._logprobs(self.state.params if params is None else params, self.put_batch(batch))
+  def local_rows(self, x: jax.Array) -> np.ndarray:
+    """This process's rows of a row-sharded [B, ...] result, on the host (all of them with one
+    process): the rows of the batch this process put in."""
+    if jax.process_count() == 1 or self.mesh is None:
+      return np.asarray(x)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.global_array_to_host_local_array(
+        x, self.mesh, P(("data", "fsdp"))))
 
-  def hidden(self, batch: TrainBatch, params=None) -> jax.Array:
-    """The final hidden states [B, T, D] of `batch` under `params` (default: current)."""
-    return self._hidden(self.state.params if params is None else params, self.put_batch(batch))
+  def logprobs(self, batch: TrainBatch, params=None) -> np.ndarray:
+    """Per-token log-probs [B, T] of `batch.target_ids` under `params` (default: current), on
+    the host (several processes: this process's rows)."""
+    out = self._logprobs(self.state.params if params is None else params, self.put_batch(batch))
+    return self.local_rows(out)
+
+  def hidden(self, batch: TrainBatch, params=None) -> np.ndarray:
+    """The final hidden states [B, T, D] of `batch` under `params` (default: current), on the
+    host (several processes: this process's rows)."""
+    return self.local_rows(self._hidden(self.state.params if params is None else params,
+                                        self.put_batch(batch)))
 
   def step(self, batch: TrainBatch, teacher_w=None) -> dict[str, float]:
     """One update; `teacher_w`: a head loss's teacher head (an EMA teacher's), else None."""
@@ -342,4 +363,4 @@ class Learner:
     return metrics
 
   def restore(self, state: TrainState) -> None:
-    self.state = jax.device_put(state, self._state_sharding)
+    self.state = put_global(state, self._state_sharding)

@@ -22,6 +22,11 @@
 
 A step whose every rollout failed (nothing kept) does not touch the weights or the optimizer
 state: AdamW's momentum would still move them on an empty batch.
+
+Several processes: each collects and packs its own share of the step's prompts; the learner's
+forwards and update are collectives over the global batch, so whether the step trains is
+decided for the job (any process kept something: a process that kept nothing feeds an empty
+part of the batch rather than skip a collective the others wait in).
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ import numpy as np
 from posttrain_jax import batching
 from posttrain_jax import teacher as teacher_lib
 from posttrain_jax.advantages import AdvantageConfig, BaselineState, compute_advantages
-from posttrain_jax.learner import max_over_processes
+from posttrain_jax.multihost import max_over_processes
 from posttrain_jax.step_metrics import episode_signals
 from posttrain_jax.types import Status
 
@@ -70,7 +75,8 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
   metrics: dict[str, float] = {}
   teacher_metrics: dict[str, float] = {}
   t1 = time.perf_counter()
-  if keep:
+  train = max_over_processes([len(keep)])[0] > 0   # the job's decision (module docstring)
+  if train:
     batch = batching.build_batch(keep, adv.advantages[adv.keep].tolist(), batch_cfg)
     if batch_cfg.trim:   # a collective with several processes, like learner.step below
       batch = batching.fit_shape(batch, learner.row_multiple, batch_cfg.seq_bucket,
@@ -109,7 +115,7 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
       if trajs else 0.0,
       "infra_error_frac": adv.stats["infra_error_frac"],
       "zero_var_group_frac": adv.stats.get("zero_var_group_frac", 0.0),
-      "skipped_update": float(not keep),
+      "skipped_update": float(not train),
       "time/update_weights_s": t_sync, "time/generate_s": t_gen, "time/train_s": t_train,
   })
   metrics.update(teacher_metrics)
@@ -123,4 +129,4 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
     metrics["baseline/unseen_tasks"] = adv.stats["unseen_tasks"]
   metrics.update(source.metrics())
   return StepResult(metrics, adv.state if adv.state is not None else baseline, tasks, trajs,
-                    bool(keep))
+                    train)

@@ -75,6 +75,7 @@ from posttrain_jax.losses import get_loss
 from posttrain_jax.metrics import MetricsWriter, plot_run, read_metrics
 from posttrain_jax.models import hf_io
 from posttrain_jax.models.tiny import build_tiny_model
+from posttrain_jax.multihost import all_gather_json, mean_over_processes, share
 from posttrain_jax.rl_step import rl_step
 from posttrain_jax.run_config import RunConfig, run_config_from_dict
 from posttrain_jax.sharding import make_mesh
@@ -126,7 +127,8 @@ class Trainer:
     self.bank = TaskBank(tasks_cfg)
     self._check_data_budget()
     self.tasks = self.bank.iterator()
-    self.held_out = self.bank.eval_tasks()
+    self.held_out = self.bank.eval_tasks(shard=jax.process_count() > 1)
+    self._check_processes()
     self.grader = make_grader(cfg.grader, cfg.grader_cfg())
     try:
       self.workdir.mkdir(parents=True, exist_ok=True)  # after the checks: a bad config leaves none
@@ -154,6 +156,30 @@ class Trainer:
     self._writer: Optional[MetricsWriter] = None
 
   # ------------------------------------------------------------------ checks
+  def _check_processes(self) -> None:
+    """Several processes (a multi-host job): every global count in the config is split evenly,
+    each process feeding its share (the same config trains on the same global batch on any
+    number of processes), and the embedded sampler, whose decode is a collective of the whole
+    job, serves only what every process calls in step: synchronous single-turn rollouts."""
+    cfg, n = self.cfg, jax.process_count()
+    local = lambda b, name: dataclasses.replace(  # noqa: E731
+        b, rows=share(b.rows, f"{name}.rows"), max_seqs=share(b.max_seqs, f"{name}.max_seqs"))
+    self.sft_batch_size, self.sft_batch = cfg.sft.batch_size, cfg.sft.batch
+    self.prompts_per_step, self.rl_batch = cfg.rl.prompts_per_step, cfg.rl.batch
+    if n == 1:
+      return
+    if cfg.sft.steps:
+      self.sft_batch_size = share(cfg.sft.batch_size, "sft.batch_size")
+      self.sft_batch = local(cfg.sft.batch, "sft.batch")
+    if cfg.rl.steps:
+      self.prompts_per_step = share(cfg.rl.prompts_per_step, "rl.prompts_per_step")
+      self.rl_batch = local(cfg.rl.batch, "rl.batch")
+      if cfg.rl.engine == "jax" and (cfg.rl.mode != "sync" or self._multi_turn):
+        raise ConfigTypeError(
+            f"rl.engine='jax' with {n} processes serves rl.mode='sync' single-turn rollouts only "
+            f"(got rl.mode={cfg.rl.mode!r}, rl.episode={cfg.rl.episode!r}): its decode is one "
+            "program of the whole job; use rl.engine='vllm' or 'openai' (an engine per process)")
+
   def _check_data_budget(self) -> None:
     """A finite task bank must hold the tasks the run draws (async may draw a few more)."""
     cfg = self.cfg
@@ -270,7 +296,8 @@ class Trainer:
       modes.append(("accuracy_greedy", 0.0, 1))
     if self._multi_turn:  # whole episodes on the held-out tasks (the env's reward)
       episode = self._episode(engine)
-      return {f"eval/{name}": evaluate_episodes(episode, self.held_out, temp, n, seed=12345)
+      return {f"eval/{name}": _job_mean(
+          evaluate_episodes(episode, self.held_out, temp, n, seed=12345), len(self.held_out))
               for name, temp, n in modes}
     prompts = [encode_prompt(self.tokenizer, t) for t in self.held_out]
     for name, temp, n in modes:
@@ -278,7 +305,8 @@ class Trainer:
       groups = engine.generate(prompts, sp, n=n, seed=12345)
       rewards = [self.grader(self.tokenizer.decode(c.token_ids, skip_special_tokens=True), t).reward
                  for comps, t in zip(groups, self.held_out) for c in comps]
-      out[f"eval/{name}"] = float(np.mean(rewards)) if rewards else float("nan")
+      out[f"eval/{name}"] = _job_mean(float(np.mean(rewards)) if rewards else float("nan"),
+                                      len(rewards))
     return out
 
   def _engine(self, learner: Learner, base: pathlib.Path):
@@ -310,7 +338,7 @@ class Trainer:
                f"{getattr(self.loss_cfg, 'correction', 'none')!r} against the recorded "
                "behaviour log-probs")
       if not cfg.traces.online.enabled:
-        return TraceRollouts(cfg.traces, cfg.prompts_per_step, engine=engine)
+        return TraceRollouts(cfg.traces, self.prompts_per_step, engine=engine)
       # online: a serving engine of its own, on a copy of the weights (the learner donates its
       # buffers while the server samples), swapped every step
       serving = self._engine(learner, base) if not self.engine_spec.shareable else engine
@@ -320,7 +348,7 @@ class Trainer:
       server = OnlineServer(cfg.traces.online, serving, self.tokenizer, self.stop_ids,
                             cfg.traces.store)
       self.log(f"online: serving the policy at {server.url}, weights swapped every step")
-      return TraceRollouts(cfg.traces, cfg.prompts_per_step, engine=serving, copy_weights=copy,
+      return TraceRollouts(cfg.traces, self.prompts_per_step, engine=serving, copy_weights=copy,
                            server=server)
     if cfg.mode == "async":  # an engine that is not shareable gets a second instance
       pool_engine = engine if self.engine_spec.shareable else self._engine(learner, base)
@@ -328,11 +356,11 @@ class Trainer:
       self.log(f"async rollouts: off-policy correction "
                f"{getattr(self.loss_cfg, 'correction', 'none')!r} on samples up to "
                f"{cfg.replay.max_staleness} versions stale (rl.async_correction)")
-      return AsyncRollouts(episode, self.tasks, cfg.rollout.group_size, cfg.prompts_per_step,
+      return AsyncRollouts(episode, self.tasks, cfg.rollout.group_size, self.prompts_per_step,
                            seed=self.cfg.seed, replay=cfg.replay, pool=cfg.pool, retry=cfg.retry,
                            copy_weights=not self.engine_spec.copies_weights)
     return SyncRollouts(self._episode(engine), self.tasks, cfg.rollout.group_size,
-                        cfg.prompts_per_step, seed=self.cfg.seed, retry=cfg.retry)
+                        self.prompts_per_step, seed=self.cfg.seed, retry=cfg.retry)
 
   # ------------------------------------------------------------------ phases
   def _sft(self, start: int, resume: bool, bar, writer) -> int:
@@ -344,8 +372,8 @@ class Trainer:
     for step in range(start, cfg.steps):
       t0 = time.perf_counter()
       trajs = []
-      for i in range(cfg.batch_size):
-        task = draw_task(self.tasks, step * cfg.batch_size + i)
+      for i in range(self.sft_batch_size):
+        task = draw_task(self.tasks, step * self.sft_batch_size + i)
         if self._multi_turn:  # the environment's gold chat, stitched like an episode
           trajs.append(demonstration_trajectory(self.tokenizer, task, self.cfg.episode_config(),
                                                 self.stop_ids, f"sft{step}/{i}"))
@@ -353,7 +381,7 @@ class Trainer:
         answer = self.tokenizer.encode(solution_text(task, cfg.answer_style), add_special_tokens=False)
         trajs.append(batching.sft_trajectory(encode_prompt(self.tokenizer, task), answer + eos,
                                              f"sft{step}/{i}", task.id))
-      metrics = learner.step(batching.build_batch(trajs, [0.0] * len(trajs), cfg.batch))
+      metrics = learner.step(batching.build_batch(trajs, [0.0] * len(trajs), self.sft_batch))
       metrics = {f"sft/{k}": v for k, v in metrics.items()}
       metrics["data/hash"] = _data_hash([t.task_id for t in trajs])
       metrics["time/step_s"] = time.perf_counter() - t0
@@ -411,10 +439,10 @@ class Trainer:
       version = step - sft_steps
       t0 = time.perf_counter()
       out = rl_step(learner, source, step=step, version=version, advantage=cfg.advantage,
-                    batch_cfg=cfg.batch, update_epochs=cfg.update_epochs,
+                    batch_cfg=self.rl_batch, update_epochs=cfg.update_epochs,
                     baseline=self.baseline, reference=reference, teacher=teacher)
       self.baseline = out.baseline if out.baseline is not None else self.baseline
-      metrics = out.metrics
+      metrics = mean_over_processes(out.metrics)   # each process's rollouts; one row
       self.rewards.append(metrics["reward/mean"])
       step_s = time.perf_counter() - t0
       self.train_s += step_s
@@ -515,7 +543,7 @@ class Trainer:
     elif cfg.weights == "checkpoint":       # checked in __init__; sharded like the learner
       model = TeacherModel(self._load(cfg.checkpoint), learner.cfg, learner.put_batch)
     return SelfTeacher(cfg, lambda msgs, tools: encode_messages(self.tokenizer, msgs, tools),
-                       self.cfg.rl.batch, ema_params=ema, model=model)
+                       self.rl_batch, ema_params=ema, model=model)
 
   def _stop(self, step: int) -> bool:
     return self.cfg.stop_after_step is not None and step >= self.cfg.stop_after_step
@@ -569,7 +597,8 @@ class Trainer:
       self.log(f"resumed from {self.ckpt.directory}/{latest} (step {start})")
     writer = self._writer = MetricsWriter(
         self.workdir, resume_step=start if latest is not None else None, resume_rows=rows)
-    (self.workdir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=1))
+    if jax.process_index() == 0:
+      (self.workdir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=1))
     bar = tqdm(total=self.total_steps, initial=start, desc="train", dynamic_ncols=True,
                disable=jax.process_index() != 0)
     try:
@@ -616,8 +645,20 @@ class Trainer:
         "stopped": self.stopped["reason"] if self.stopped else None,
         "steps": self.end_step,
     }
-    (self.workdir / "result.json").write_text(json.dumps(result, indent=1))
+    if jax.process_index() == 0:
+      (self.workdir / "result.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _job_mean(mean: float, count: int) -> float:
+  """The mean over every process's held-out shard from each one's (mean, count); one process:
+  `mean`."""
+  if jax.process_count() == 1:
+    return mean
+  parts = [(m, c) for m, c in all_gather_json([None if mean != mean else mean, count])
+           if c and m is not None]
+  total = sum(c for _, c in parts)
+  return sum(m * c for m, c in parts) / total if total else float("nan")
 
 
 def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:

@@ -241,7 +241,7 @@ import jax
 from posttrain_jax import sharding
 sharding.initialize_distributed()
 from posttrain_jax import batching
-from posttrain_jax.learner import max_over_processes
+from posttrain_jax.multihost import max_over_processes
 from tests.learner_testing import random_trajectories
 n = [3, 14][jax.process_index()]           # process 1 holds more, and longer, sequences
 trajs = random_trajectories(n, seed=jax.process_index(), max_completion=4 + 12 * jax.process_index())

@@ -8,6 +8,17 @@ Returned log-probs: for temperature tau > 0, `log softmax(z / tau)[y]` -- the te
 scaled distribution *before* top-k / top-p truncation, which is exactly what the learner
 computes at the same temperature (and exactly the sampling distribution when top_k = 0 and
 top_p = 1). For greedy decoding (tau = 0) they are `log softmax(z)[y]`.
+
+Several processes (a multi-host job; the params are sharded over every process's devices):
+decoding is one SPMD program the whole job runs, so `generate` is a collective that every
+process calls the same number of times, each with its own prompts (possibly none). The
+processes' prompts are gathered and interleaved — the j-th prompt of process 0, of process 1,
+..., then the (j+1)-th — which, with the task bank's strided shards
+(`[process_index::process_count]`), is the order one process would have drawn them in; the job
+decodes them together with process 0's seed and each process keeps its own completions.
+Only the synchronous single-turn rollouts and the held-out eval call it that way (one call per
+step on every process); asynchronous or multi-turn rollouts across processes need an engine
+per process (vLLM), and the trainer refuses the embedded one there.
 """
 from __future__ import annotations
 
@@ -26,6 +37,7 @@ from posttrain_jax.engines.base import Completion, PromptTooLongError, SamplingP
 from posttrain_jax.engines.registry import EngineContext, register_engine
 from posttrain_jax.models.decoder import Decoder, init_cache
 from posttrain_jax.models.weights import as_params
+from posttrain_jax.multihost import all_gather_json, put_global
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,12 +139,18 @@ class JaxSampler:
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, n: int = 1,
                seed: Optional[int] = None) -> list[list[Completion]]:
-    if not prompts:
-      return []
+    """G = n completions of each prompt. Several processes: a collective (module docstring)."""
     for i, prompt in enumerate(prompts):
       if not 0 < len(prompt) <= self.cfg.max_prompt_len:
         raise PromptTooLongError(i, f"prompt {i} has {len(prompt)} tokens; the sampler accepts "
                                  f"1..{self.cfg.max_prompt_len} (JaxSamplerConfig.max_prompt_len)")
+    seed = int(np.random.SeedSequence(seed).generate_state(1)[0] if seed is not None
+               else np.random.randint(2**31))
+    mine = list(range(len(prompts)))
+    if jax.process_count() > 1:
+      prompts, mine, seed = _job_prompts(prompts, n, seed)
+    if not prompts:
+      return []
     rows = [list(p) for p in prompts for _ in range(n)]
     b = _round_up(len(rows), self.cfg.batch_bucket)
     p = _round_up(max(len(r) for r in rows), self.cfg.prompt_bucket)
@@ -142,13 +160,11 @@ class JaxSampler:
       ids[r, p - len(row):] = row
       seg[r, p - len(row):] = 1
     seg[len(rows):, -1] = 1  # filler rows decode a pad token; their output is dropped
-    rng = jax.random.key(np.random.SeedSequence(seed).generate_state(1)[0] if seed is not None
-                         else np.random.randint(2**31))
     # Params and version are read together once: weights installed by another thread while this
     # call decodes do not relabel its tokens with the newer version.
     params, version = self._snapshot()
-    tokens, logps, lengths, done = jax.device_get(
-        _generate(self._graphdef, params, ids, seg, rng, sp=sampling))
+    tokens, logps, lengths, done = _fetch(_generate(self._graphdef, params,
+                                                    *_inputs(params, ids, seg, seed), sp=sampling))
     out = []
     for r in range(len(rows)):
       n_tok = int(lengths[r])
@@ -156,7 +172,42 @@ class JaxSampler:
                             logprobs=logps[r, :n_tok].astype(float).tolist(),
                             finish_reason="stop" if done[r] else "length",
                             version=version))
-    return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
+    return [out[i * n:(i + 1) * n] for i in mine]
+
+
+def _job_prompts(prompts, n: int, seed: int) -> tuple[list[list[int]], list[int], int]:
+  """(every process's prompts interleaved, the positions of this process's among them,
+  process 0's seed): see the module docstring."""
+  everyone = all_gather_json({"prompts": [[int(t) for t in p] for p in prompts], "n": n,
+                              "seed": seed})
+  if len({e["n"] for e in everyone}) > 1:
+    raise ValueError(f"generate: the processes asked for different n {[e['n'] for e in everyone]}")
+  longest = max(len(e["prompts"]) for e in everyone)
+  order = [(i, j) for j in range(longest) for i, e in enumerate(everyone) if j < len(e["prompts"])]
+  me = jax.process_index()
+  return ([everyone[i]["prompts"][j] for i, j in order],
+          [k for k, (i, _) in enumerate(order) if i == me], everyone[0]["seed"])
+
+
+def _inputs(params, ids, seg, seed: int):
+  """(prompt ids, segment ids, PRNG key) for `_generate`; several processes: laid out
+  replicated over the params' mesh (this process's arrays alone cannot enter a job's program)."""
+  rng = jax.random.key(seed)
+  if jax.process_count() == 1:
+    return ids, seg, rng
+  mesh = next(x.sharding.mesh for x in jax.tree.leaves(params)
+              if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding))
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return put_global((ids, seg, rng), (rep, rep, rep))
+
+
+def _fetch(arrays):
+  """The decode's outputs on this host (several processes: gathered from the job's devices)."""
+  if jax.process_count() == 1:
+    return jax.device_get(arrays)
+  from jax.experimental import multihost_utils
+  return [np.asarray(multihost_utils.process_allgather(x, tiled=True)) if not x.is_fully_addressable
+          else np.asarray(x) for x in arrays]
 
 
 @register_engine("jax", JaxSamplerConfig, shareable=False)
