@@ -33,8 +33,10 @@ from posttrain_jax.launch.cli import flags_parser
 _DEFAULT = pathlib.Path(__file__).resolve().parent.parent / "configs" / "default.py"
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (overrides config.workdir).")
 _RESUME = flags.DEFINE_bool("resume", True, "Resume from the latest checkpoint in the workdir.")
-_DISTRIBUTED = flags.DEFINE_bool("distributed", False,
-                                 "Join a multi-process JAX job (JAX_COORDINATOR_ADDRESS etc.).")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Find the multi-process job from the cluster (SLURM, a TPU pod slice, "
+    "Open MPI): jax.distributed's auto-detection. A job described by JAX_COORDINATOR_ADDRESS, "
+    "JAX_NUM_PROCESSES and JAX_PROCESS_ID (launch/local.py) is joined without it.")
 
 
 def _stop_on_signals(preempt: threading.Event) -> None:
@@ -56,8 +58,16 @@ def main(argv):
   preempt = threading.Event()
   _stop_on_signals(preempt)   # first thing: a preemption during start-up is a clean stop too
   from posttrain_jax import sharding
-  if _DISTRIBUTED.value:
-    sharding.initialize_distributed()
+  job = sharding.cluster_environment()
+  if job is not None and not _DISTRIBUTED.value and "JAX_NUM_PROCESSES" not in os.environ:
+    # N copies of a one-process run would each train alone and write the same workdir
+    raise UserError(f"this process is one of {job[1]} tasks of a {job[0]} job: pass "
+                    "--distributed to join them into one training job")
+  if sharding.initialize_distributed(auto_detect=_DISTRIBUTED.value):
+    import jax
+    print(f"process {jax.process_index()} of {jax.process_count()} "
+          f"({job[0] if job else 'jax.distributed'}): {jax.local_device_count()} of "
+          f"{jax.device_count()} devices", flush=True)
   from posttrain_jax.run_config import run_config_from_dict
   from posttrain_jax.trainer import Trainer, result_line
 
@@ -65,8 +75,13 @@ def main(argv):
   if _WORKDIR.value:
     raw["workdir"] = _WORKDIR.value
   cfg = run_config_from_dict(raw)
-  if not _RESUME.value:
-    shutil.rmtree(pathlib.Path(cfg.workdir) / "checkpoints", ignore_errors=True)
+  if not _RESUME.value:   # one process removes them, the others wait until it has
+    import jax
+    if jax.process_index() == 0:
+      shutil.rmtree(pathlib.Path(cfg.workdir) / "checkpoints", ignore_errors=True)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices("posttrain_jax: --noresume")
   trainer = Trainer(cfg, preempt=preempt)
   result = trainer.run()
   if trainer.preempted_at is not None:

@@ -131,15 +131,36 @@ def shard(x: jax.Array, axes: Sequence[Optional[str]], mesh: Optional[Mesh],
   return jax.lax.with_sharding_constraint(x, named_sharding(mesh, axes, x.shape, rules))
 
 
+def cluster_environment(env: Optional[dict] = None) -> Optional[tuple[str, int]]:
+  """(name, processes) of the multi-process job this process was started in, read from the
+  environment the way jax.distributed's auto-detection reads it, or None for a lone process:
+  JAX_NUM_PROCESSES (launch/local.py), SLURM (SLURM_NTASKS), Open MPI (OMPI_COMM_WORLD_SIZE),
+  a Cloud TPU pod slice (TPU_WORKER_HOSTNAMES, one per host)."""
+  env = os.environ if env is None else env
+  found = []
+  if "JAX_NUM_PROCESSES" in env:
+    found.append(("JAX_NUM_PROCESSES", int(env["JAX_NUM_PROCESSES"])))
+  if "SLURM_JOB_ID" in env and "SLURM_NTASKS" in env:
+    found.append(("SLURM", int(env["SLURM_NTASKS"])))
+  if "OMPI_COMM_WORLD_SIZE" in env:
+    found.append(("Open MPI", int(env["OMPI_COMM_WORLD_SIZE"])))
+  hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+  if hosts:
+    found.append(("Cloud TPU pod slice", len(hosts)))
+  return next(((name, n) for name, n in found if n > 1), None)
+
+
 def initialize_distributed(coordinator_address: Optional[str] = None,
                            num_processes: Optional[int] = None,
                            process_id: Optional[int] = None,
-                           local_device_ids: Optional[Sequence[int]] = None) -> None:
-  """Joins a multi-process JAX job (call before any other JAX call).
+                           local_device_ids: Optional[Sequence[int]] = None,
+                           auto_detect: bool = False) -> bool:
+  """Joins a multi-process JAX job (call before any other JAX call); True if it joined one.
 
   Arguments default to the environment (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
-  ``JAX_PROCESS_ID``) and, where those are unset too, to JAX's own cluster auto-detection
-  (SLURM, TPU VMs, ...). A single process with nothing set is a no-op.
+  ``JAX_PROCESS_ID``: what `launch/local.py` sets). Where those are unset too, `auto_detect`
+  lets JAX find the job from its cluster (SLURM, Cloud TPU pod slices, Open MPI, ...); without
+  it a single process with nothing set is a no-op.
   """
   env = os.environ
   coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
@@ -147,8 +168,9 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
     num_processes = int(env["JAX_NUM_PROCESSES"])
   if process_id is None and "JAX_PROCESS_ID" in env:
     process_id = int(env["JAX_PROCESS_ID"])
-  if coordinator_address is None and num_processes in (None, 1):
-    return
+  if coordinator_address is None and num_processes in (None, 1) and not auto_detect:
+    return False
   jax.distributed.initialize(coordinator_address=coordinator_address,
                              num_processes=num_processes, process_id=process_id,
                              local_device_ids=local_device_ids)
+  return True

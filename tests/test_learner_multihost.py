@@ -72,7 +72,7 @@ def _run(tmp_path, layout, micro, processes, devices):
   return data["losses"], [data[f"arr_{i}"] for i in range(len(data.files) - 1)], logs
 
 
-@pytest.mark.parametrize("micro", [1, 2])
+@pytest.mark.parametrize("micro", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_two_processes_feeding_their_own_rows_train_like_one(tmp_path, micro):
   one_loss, one, _ = _run(tmp_path, "whole", micro, processes=1, devices=4)
   two_loss, two, logs = _run(tmp_path, "split", micro, processes=2, devices=2)
