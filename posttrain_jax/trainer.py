@@ -174,6 +174,9 @@ class Trainer:
     if cfg.rl.steps:
       self.prompts_per_step = share(cfg.rl.prompts_per_step, "rl.prompts_per_step")
       self.rl_batch = local(cfg.rl.batch, "rl.batch")
+      if cfg.rl.mode == "traces":   # every process would read, and train on, every session
+        raise ConfigTypeError(f"rl.mode='traces' runs in one process (got {n}): the trace "
+                              "store is not sharded between processes")
       if cfg.rl.engine == "jax" and (cfg.rl.mode != "sync" or self._multi_turn):
         raise ConfigTypeError(
             f"rl.engine='jax' with {n} processes serves rl.mode='sync' single-turn rollouts only "

@@ -88,3 +88,40 @@ def test_two_process_export_gathers_everywhere_writes_once(tmp_path):
     names.append(name)
     np.testing.assert_array_equal(got[name], arr, err_msg=name)
   assert sorted(names) == sorted(got)
+
+
+TINY_WORKER = r"""
+import pathlib, sys, time
+import jax
+from posttrain_jax import sharding
+sharding.initialize_distributed()
+from posttrain_jax.models.tiny import TinyModelConfig, build_tiny_model
+if jax.process_index() == 1:
+  time.sleep(float(sys.argv[2]))   # process 0 is done with its own work long before
+d = build_tiny_model(TinyModelConfig(vocab_size=320, hidden_size=32, intermediate_size=64,
+                                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                                     corpus_lines=300), cache_root=pathlib.Path(sys.argv[1]))
+print("built", jax.process_index(), (d / "config.json").exists())
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 8.0])
+def test_every_process_builds_the_tiny_model_in_step(tmp_path, delay):
+  """build_tiny_model in a 2-process job (the trainer's first act): the processes decide
+  together whether the cache holds it, so the collective export is entered by both. Before,
+  a process that looked after process 0 had written it returned at once and left process 0
+  waiting in the export's barrier (delay 8 s: hung)."""
+  outs = run_processes(TINY_WORKER, tmp_path, processes=2, devices=1,
+                       args=[str(tmp_path / "cache"), str(delay)], timeout=180)
+  assert [o.strip().splitlines()[-1] for o in outs] == ["built 0 True", "built 1 True"]
+  # the same model a single process builds (the cache key does not know the process count)
+  from posttrain_jax.models.tiny import TinyModelConfig, build_tiny_model
+  t = TinyModelConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, corpus_lines=300)
+  one = build_tiny_model(t, cache_root=tmp_path / "single")
+  two = tmp_path / "cache" / one.name
+  a, b = hf_io.load_hf_model(one), hf_io.load_hf_model(two)
+  for (na, x), (nb, y) in zip(hf_io.hf_tensors(a), hf_io.hf_tensors(b)):
+    assert na == nb
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=na)
+  assert (one / "tokenizer.json").read_text() == (two / "tokenizer.json").read_text()

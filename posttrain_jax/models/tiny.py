@@ -168,7 +168,12 @@ def build_tiny_model(t: TinyModelConfig = TinyModelConfig(), *,
   if out_dir is None:
     out_dir = pathlib.Path(cache_root or default_cache_root()) / f"{t.family}-{_key(t, extra)}"
   out_dir = pathlib.Path(out_dir)
-  if (out_dir / "config.json").exists() and (out_dir / "tokenizer.json").exists():
+  ready = (out_dir / "config.json").exists() and (out_dir / "tokenizer.json").exists()
+  import jax
+  from posttrain_jax.multihost import all_gather_json
+  if jax.process_count() > 1:  # one decision for the job: save_hf_model below is a collective
+    ready = all(all_gather_json(ready))
+  if ready:
     return out_dir
 
   lines = corpus if corpus is not None else default_corpus(t.corpus_lines, t.seed)
@@ -179,7 +184,12 @@ def build_tiny_model(t: TinyModelConfig = TinyModelConfig(), *,
     raise ValueError(f"tokenizer has {len(tokenizer)} tokens > vocab_size={t.vocab_size}")
   eos_ids = [tokenizer.convert_tokens_to_ids(e) for e in CHAT_FORMATS.get(t.chat_format).eos]
   cfg = model_config(t, eos_ids, tokenizer.pad_token_id)
-  model = weights if weights is not None else hf_io.init_model(cfg, seed=t.seed)
+  # Several processes: laid out over the job's devices, as the collective export expects
+  mesh = None
+  if jax.process_count() > 1 and weights is None:
+    from posttrain_jax.sharding import MeshConfig, make_mesh
+    mesh = make_mesh(MeshConfig())
+  model = weights if weights is not None else hf_io.init_model(cfg, seed=t.seed, mesh=mesh)
   if model.cfg.vocab_size != cfg.vocab_size:
     raise ValueError(f"weights have vocab_size {model.cfg.vocab_size}, tokenizer needs {cfg.vocab_size}")
 
