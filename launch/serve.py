@@ -78,7 +78,11 @@ def main(argv):
   def ready():
     print(f"serving {cfg.proxy.model_name} at http://{cfg.host}:{cfg.port}/v1 "
           f"(engine {cfg.engine}, traces in {cfg.store.path})", flush=True)
-  serve(proxy, cfg.host, cfg.port, on_ready=ready)
+  try:
+    serve(proxy, cfg.host, cfg.port, on_ready=ready)
+  finally:   # this process built the engine: vLLM's engine core and workers end with it
+    if hasattr(proxy.engine, "close"):
+      proxy.engine.close()
 
 
 if __name__ == "__main__":

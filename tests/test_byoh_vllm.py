@@ -6,13 +6,17 @@ client received (the response's per-token log-probs, decoded), their recorded lo
 learner's log-probs of those tokens under the served weights, a seeded stream and a seeded
 whole answer sample the same tokens, and the rebuilt training sample is the recorded prompt ids
 + the sampled ids."""
+import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import numpy as np
 import openai
+import psutil
 import pytest
 
 from posttrain_jax.byoh.rebuild import rebuild_session
@@ -39,6 +43,7 @@ def served(tmp_path_factory):
     db, port = base / "traces.db", bt.free_port()
     engine = [f"--config.engine_config.{k}={v}" for k, v in
               dict(dtype="float32", max_model_len=1024, enforce_eager=True, seed=0).items()]
+    before = set(_vllm_processes())
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "launch" / "serve.py"), f"--config={ROOT / 'configs' / 'serve.py'}:vllm",
          *engine, "--config.proxy.max_tokens_limit=256", f"--config.model_path={model_dir}",
@@ -55,11 +60,35 @@ def served(tmp_path_factory):
         pytest.fail("launch/serve.py --config.engine=vllm did not start:\n" + "".join(lines))
       yield f"http://127.0.0.1:{port}", model_dir, db
     finally:
+      vllm_pids = [p for p in _vllm_processes() if p not in before]   # this server's
       proc.terminate()
       try:
         proc.wait(timeout=60)
       except subprocess.TimeoutExpired:
         proc.kill()
+      # SIGTERM'd, the server closes its engine: vLLM's engine core and workers end with it
+      # (they were left running, re-parented to init, 1.9 GB each, before serve.py closed it)
+      deadline = time.monotonic() + 30
+      left = vllm_pids
+      while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = [p for p in left if _alive(p)]
+      for p in left:
+        os.kill(p, signal.SIGKILL)
+      assert proc.returncode == 0 and not left, (proc.returncode, left)
+
+
+def _vllm_processes() -> list[int]:
+  """vLLM's engine cores and workers running on this machine now (this test starts one)."""
+  return [p.pid for p in psutil.process_iter(["cmdline"])
+          if (p.info["cmdline"] or [""])[0].startswith(("VLLM::EngineCore", "VLLM::Worker"))]
+
+
+def _alive(pid: int) -> bool:
+  try:
+    return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+  except psutil.NoSuchProcess:
+    return False
 
 
 def _client(url, session):
