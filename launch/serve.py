@@ -78,11 +78,13 @@ def main(argv):
   def ready():
     print(f"serving {cfg.proxy.model_name} at http://{cfg.host}:{cfg.port}/v1 "
           f"(engine {cfg.engine}, traces in {cfg.store.path})", flush=True)
-  try:
-    serve(proxy, cfg.host, cfg.port, on_ready=ready)
-  finally:   # this process built the engine: vLLM's engine core and workers end with it
+  def close_engine():   # this process built it: vLLM's engine core and workers end with it
     if hasattr(proxy.engine, "close"):
       proxy.engine.close()
+  try:
+    serve(proxy, cfg.host, cfg.port, on_ready=ready, on_shutdown=close_engine)
+  finally:   # a stop that is not a signal (uvicorn re-raises SIGTERM / SIGINT after shutdown)
+    close_engine()
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ def served(tmp_path_factory):
         left = [p for p in left if _alive(p)]
       for p in left:
         os.kill(p, signal.SIGKILL)
-      assert proc.returncode == 0 and not left, (proc.returncode, left)
+      # uvicorn ends the process by the signal it caught, after its shutdown
+      assert proc.returncode in (0, -signal.SIGTERM) and not left, (proc.returncode, left)
 
 
 def _vllm_processes() -> list[int]:

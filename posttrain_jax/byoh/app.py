@@ -238,12 +238,16 @@ def _pieces(proxy: Proxy, c) -> list[tuple[str, float]]:
 
 
 def serve(proxy: Proxy, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
-          on_ready=None):
-  """Runs the proxy with uvicorn until SIGINT / SIGTERM; `on_ready()` once it accepts calls."""
+          on_ready=None, on_shutdown=None):
+  """Runs the proxy with uvicorn until SIGINT / SIGTERM; `on_ready()` once it accepts calls,
+  `on_shutdown()` once it has stopped taking them (uvicorn then raises the signal again, so
+  the process ends by it: code after `serve` does not run on a signal)."""
   import uvicorn
   app = build_app(proxy)
   if on_ready is not None:
     app.router.on_startup.append(on_ready)
+  if on_shutdown is not None:
+    app.router.on_shutdown.append(on_shutdown)
   try:
     uvicorn.run(app, host=host, port=port, log_level=log_level)
   finally:
