@@ -55,7 +55,7 @@ from posttrain_jax.actors.episode import (
     Episode, InvalidTaskError, RetryConfig, WorkItem, all_infra, drop_invalid, episode_metrics,
     infra_group, requeue_or_give_up)
 from posttrain_jax.actors.rollout import DataExhaustedError, draw_task, exhausted
-from posttrain_jax.engines.base import Engine
+from posttrain_jax.engines.base import Engine, engine_metrics
 from posttrain_jax.envs import Task
 from posttrain_jax.replay import ReplayConfig, ReplayQueue
 from posttrain_jax.types import Trajectory
@@ -380,6 +380,7 @@ class AsyncRollouts:
     out["pool/tasks_per_episode"] = out["pool/groups"] / d_episodes if d_episodes else float("nan")
     out["pool/collect_wait_s"] = self._collect_wait_s
     out.update(episode_metrics(self.pool.episode))  # the episode's own filters (multi-turn)
+    out.update(engine_metrics(self.engine.engine))  # e.g. a fleet's servers in service
     out["weight_sync/s"] = self._sync["s"]
     out["weight_sync/gb"] = self._sync["bytes"] / 1e9
     out["weight_sync/s_per_gb"] = (self._sync["s"] / (self._sync["bytes"] / 1e9)

@@ -26,7 +26,8 @@ from typing import Callable, Optional, Sequence
 from posttrain_jax.actors.episode import (
     EpisodeContext, InvalidTaskError, RetryConfig, WorkItem, all_infra, drop_invalid,
     episode_metrics, infra_group, register_episode, requeue_or_give_up)
-from posttrain_jax.engines.base import Completion, Engine, PromptTooLongError, SamplingParams
+from posttrain_jax.engines.base import (
+    Completion, Engine, PromptTooLongError, SamplingParams, engine_metrics)
 from posttrain_jax.envs import GradeResult, Task
 from posttrain_jax.errors import UserError
 from posttrain_jax.types import Source, Status, Trajectory
@@ -265,6 +266,7 @@ class SyncRollouts:
     out.update({f"rollout/total/{k}": float(v) for k, v in self._counters.items()})
     self._window = dict(self._counters)
     out.update(episode_metrics(self.episode))  # the episode's own filters (multi-turn)
+    out.update(engine_metrics(self.engine))     # e.g. a fleet's servers in service
     return out
 
   def state(self) -> dict:

@@ -57,3 +57,10 @@ class Engine(Protocol):
   def update_weights(self, weights: Any, version: int) -> None:
     """Installs new weights; later generations report `version`."""
     ...
+
+
+def engine_metrics(engine: Any) -> dict[str, float]:
+  """The engine's own per-step metrics if it reports any (an optional `metrics()`, e.g. a
+  fleet's servers in service), else {}; both rollout sources log them."""
+  report = getattr(engine, "metrics", None)
+  return report() if callable(report) else {}

@@ -163,44 +163,67 @@ class OpenAIEngine:
 
   def update_weights(self, weights: Any, version: int) -> None:
     """Writes `weights` (a Decoder or (HF name, array) pairs) to weights_dir; the server reloads."""
-    if version < self._version:
-      raise EngineError(f"version skew: update_weights(version={version}) but the server at "
-                        f"{self.cfg.base_url} already serves version {self._version}")
+    self._check_version(version)
     if self.cfg.weights_dir is None:
       raise EngineError("update_weights needs OpenAIEngineConfig.weights_dir: a directory the "
                         f"server at {self.cfg.base_url} can read")
     with self._update_lock:
       t0 = time.perf_counter()
-      path = _write_checkpoint(weights, pathlib.Path(self.cfg.weights_dir) / f"v{version:08d}",
-                               self.cfg.weights_dtype)
+      path = write_checkpoint(weights, pathlib.Path(self.cfg.weights_dir) / f"v{version:08d}",
+                              self.cfg.weights_dtype)
       t1 = time.perf_counter()
-      with self._cond:
-        self._updating = True
-      done = False
+      old = self._current_dir
       try:
-        self._settle_in_flight()
-        t2 = time.perf_counter()
-        self._install(path, version)
-        old, self._current_dir = self._current_dir, path
-        self._version = version
-        self._stale = False
-        done = True
+        times = self._switch(path, version, self.cfg.server_wait_s)
       finally:
-        with self._cond:
-          self._updating = False
-          self._cond.notify_all()
-        if not done and path != self._current_dir:
+        if path != self._current_dir:
           shutil.rmtree(path, ignore_errors=True)
       if old is not None and old != path:
         shutil.rmtree(old, ignore_errors=True)
-      t3 = time.perf_counter()
-      self.last_weight_sync = {"write_s": t1 - t0, "drain_s": t2 - t1, "reload_s": t3 - t2,
-                               "seconds": t3 - t0}
+      self.last_weight_sync = {"write_s": t1 - t0, **times,
+                               "seconds": time.perf_counter() - t0}
 
-  def _install(self, path: pathlib.Path, version: int) -> None:
+  def load_checkpoint(self, path: pathlib.Path, version: int,
+                      server_wait_s: Optional[float] = None) -> dict[str, float]:
+    """Has the server load a checkpoint written by someone else (a fleet writes one for all its
+    servers): settle in-flight requests, pause, reload, reset the prefix cache, resume. The
+    directory stays the caller's. A server that is down is waited for `server_wait_s`
+    (default `cfg.server_wait_s`; 0 = fail at once with ServerUnreachable)."""
+    self._check_version(version)
+    with self._update_lock:
+      return self._switch(pathlib.Path(path), version,
+                          self.cfg.server_wait_s if server_wait_s is None else server_wait_s)
+
+  def served_version(self):
+    """What the server's workers hold: a version, None (their start weights) or "unknown" (no
+    worker extension to ask). ServerUnreachable when it does not answer."""
+    return self._server_version()
+
+  def _check_version(self, version: int) -> None:
+    if version < self._version:
+      raise EngineError(f"version skew: update_weights(version={version}) but the server at "
+                        f"{self.cfg.base_url} already serves version {self._version}")
+
+  def _switch(self, path: pathlib.Path, version: int, server_wait_s: float) -> dict[str, float]:
+    """Settles in-flight requests, installs `path` as `version`; (drain_s, reload_s)."""
+    with self._cond:
+      self._updating = True
+    try:
+      t0 = time.perf_counter()
+      self._settle_in_flight()
+      t1 = time.perf_counter()
+      self._install(path, version, server_wait_s)
+      self._current_dir, self._version, self._stale = path, version, False
+    finally:
+      with self._cond:
+        self._updating = False
+        self._cond.notify_all()
+    return {"drain_s": t1 - t0, "reload_s": time.perf_counter() - t1}
+
+  def _install(self, path: pathlib.Path, version: int, server_wait_s: float) -> None:
     """pause, reload, reset the prefix cache, resume; a server that is down (or dies on the
     way) is waited for up to `server_wait_s` and the whole sequence is done again."""
-    deadline = time.monotonic() + self.cfg.server_wait_s
+    deadline = time.monotonic() + server_wait_s
     while True:
       try:
         if self._stale:
@@ -216,7 +239,7 @@ class OpenAIEngine:
       except ServerUnreachable as e:
         if time.monotonic() > deadline:
           raise ServerUnreachable(f"weight update to version {version}: the server did not come "
-                                  f"back within server_wait_s={self.cfg.server_wait_s:g} s ({e})"
+                                  f"back within server_wait_s={server_wait_s:g} s ({e})"
                                   ) from None
         time.sleep(min(self.cfg.retry_backoff_s * 4, max(0.0, deadline - time.monotonic())))
 
@@ -445,7 +468,7 @@ def _server_message(body: str) -> str:
     return ""
 
 
-def _write_checkpoint(weights: Any, out: pathlib.Path, dtype: Optional[str]) -> pathlib.Path:
+def write_checkpoint(weights: Any, out: pathlib.Path, dtype: Optional[str]) -> pathlib.Path:
   """A model -> save_hf_model; (name, array) pairs -> one model.safetensors. Atomic."""
   from posttrain_jax.models import hf_io
   from posttrain_jax.models.fsutil import atomic_directory
@@ -463,7 +486,7 @@ def _write_checkpoint(weights: Any, out: pathlib.Path, dtype: Optional[str]) -> 
   return out
 
 
-__all__ = ["OpenAIEngine", "OpenAIEngineConfig", "ServerUnreachable"]
+__all__ = ["OpenAIEngine", "OpenAIEngineConfig", "ServerUnreachable", "write_checkpoint"]
 
 
 def _check(cfg: OpenAIEngineConfig, model_config, max_tokens: int) -> None:

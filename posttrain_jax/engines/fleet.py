@@ -1,0 +1,330 @@
+"""A rollout fleet: several OpenAI-compatible servers (vLLM) behind one Engine.
+
+    rl.engine = "fleet"
+    rl.engine_config.urls = ("http://node1:8000", "http://node2:8000", ...)   # a static list
+    rl.engine_config.server = OpenAIEngineConfig(weights_dir=<shared dir>, ...)  # per server
+
+Each server is driven by its own `OpenAIEngine` client (openai_engine.py). The fleet adds:
+
+Routing: each prompt (one request for its `n` completions) goes to the server in service with
+the fewest completions in flight from this fleet (least loaded; ties by round robin), so a slow
+or busy server gets less work and a batch spreads over every server.
+
+Failure: a request that fails at the connection level (`ServerUnreachable`: refused, reset,
+timed out, 5xx after the client's retries) takes its server out of service, and that prompt's
+completions come back with finish_reason "error" and no tokens: the rollout makes them
+`infra_error` (never graded, never a reward of 0) and, the whole group having failed, requeues
+the task (actors/rollout.py). Requests already on other servers are untouched; later requests
+go to the servers in service. No server in service: `generate` raises ServerUnreachable, which
+the rollout source retries with backoff and then requeues.
+
+Health: a thread probes every server each `health_interval_s` (GET /v1/models): one that stops
+answering is taken out before a request is lost on it; one that answers again (restarted by
+its supervisor, Ray or a person) is readmitted only once it holds the fleet's current weights
+(reloaded from the current checkpoint and its version read back from the server).
+
+Weights: `update_weights` writes one checkpoint to `<server.weights_dir>/v<version>` (storage
+every server reads), then each server in service loads it concurrently (pause, reload, reset
+prefix cache, resume: OpenAIEngine.load_checkpoint) and is asked which version it now holds; a
+server that fails to load or reports another version is taken out (and readmitted later by the
+health check, with the current weights). The update fails only if no server took it. The
+previous checkpoint is removed once the new one is in; the current one is kept for servers
+that come back.
+
+Placement: the URL list is static here; `fleet_ray.py` places and restarts the servers with
+Ray actors and hands this engine their URLs.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import pathlib
+import shutil
+import threading
+import time
+import urllib.request
+from typing import Any, Optional, Sequence
+
+from posttrain_jax.engines.base import Completion, EngineError, SamplingParams
+from posttrain_jax.engines.openai_engine import (
+    OpenAIEngine, OpenAIEngineConfig, ServerUnreachable, write_checkpoint)
+from posttrain_jax.engines.registry import DecoderWeights, EngineContext, register_engine
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetConfig:
+  """The servers and how the fleet treats them."""
+  urls: tuple[str, ...] = ()          # server roots (the /v1 prefix is added), one per server
+  server: OpenAIEngineConfig = OpenAIEngineConfig()  # client settings for each (base_url unused)
+  health_interval_s: float = 5.0      # probe every server this often (0 = no health thread)
+  max_concurrency: int = 64           # parallel requests over the whole fleet
+
+
+@dataclasses.dataclass
+class _Member:
+  url: str
+  client: Optional[OpenAIEngine]      # None until the server first answered
+  up: bool = False
+  load: int = 0                       # completions in flight from this fleet
+  requests: int = 0
+  taken_out: int = 0
+  readmitted: int = 0
+  why: str = ""                       # the last reason it was taken out
+
+
+class FleetEngine:
+  """Engine over several OpenAI-compatible servers (module docstring)."""
+
+  def __init__(self, cfg: FleetConfig, version: int = 0):
+    if not cfg.urls:
+      raise EngineError("FleetConfig.urls is empty: give the fleet at least one server URL")
+    if len(set(cfg.urls)) != len(cfg.urls):
+      raise EngineError(f"FleetConfig.urls lists a server twice: {list(cfg.urls)}")
+    self.cfg = cfg
+    self._version = version
+    self._current_dir: Optional[pathlib.Path] = None
+    self._lock = threading.Lock()           # members' state
+    self._sync = threading.Lock()           # weight updates and readmissions, one at a time
+    self._rr = itertools.count()
+    self._members = [_Member(u, None) for u in cfg.urls]
+    self._pool = concurrent.futures.ThreadPoolExecutor(cfg.max_concurrency,
+                                                       thread_name_prefix="fleet")
+    self.last_weight_sync: Optional[dict[str, float]] = None
+    errors = []
+    for m in self._members:
+      try:
+        m.client = self._client(m.url)
+        m.up = True
+      except ServerUnreachable as e:
+        m.why = str(e)
+        errors.append(m.why)
+    if not any(m.up for m in self._members):
+      raise ServerUnreachable("no server of the fleet answers:\n  " + "\n  ".join(errors))
+    models = {m.client.model for m in self._members if m.client is not None}
+    if len(models) != 1:
+      raise EngineError(f"the fleet's servers serve different models: {sorted(models)}")
+    self.model = models.pop()
+    self._closing = threading.Event()
+    self._health = None
+    if cfg.health_interval_s > 0:
+      self._health = threading.Thread(target=self._watch, daemon=True, name="fleet-health")
+      self._health.start()
+
+  # -- protocol ------------------------------------------------------------------------------
+
+  @property
+  def version(self) -> int:
+    return self._version
+
+  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, n: int = 1,
+               seed: Optional[int] = None) -> list[list[Completion]]:
+    """`n` completions per prompt, each prompt on the least-loaded server in service; a
+    prompt whose server failed comes back as n "error" completions (module docstring)."""
+    for i, p in enumerate(prompts):
+      if len(p) == 0:
+        raise EngineError(f"prompt {i} is empty")
+    futures = [self._pool.submit(self._one, [int(t) for t in p], sampling, n,
+                                 None if seed is None else seed + i * n)
+               for i, p in enumerate(prompts)]
+    return [f.result() for f in futures]
+
+  def update_weights(self, weights: Any, version: int) -> None:
+    """One checkpoint on shared storage, loaded by every server in service (module docstring)."""
+    if version < self._version:
+      raise EngineError(f"version skew: update_weights(version={version}) but the fleet "
+                        f"already serves version {self._version}")
+    wdir = self.cfg.server.weights_dir
+    if wdir is None:
+      raise EngineError("the fleet's update_weights needs FleetConfig.server.weights_dir: a "
+                        "directory every server can read")
+    with self._sync:
+      t0 = time.perf_counter()
+      path = write_checkpoint(weights, pathlib.Path(wdir) / f"v{version:08d}",
+                              self.cfg.server.weights_dtype)
+      t1 = time.perf_counter()
+      with self._lock:
+        targets = [m for m in self._members if m.up]
+      results = list(self._pool.map(lambda m: self._load(m, path, version), targets))
+      if not any(results):
+        if path != self._current_dir:
+          shutil.rmtree(path, ignore_errors=True)
+        raise ServerUnreachable(f"weight update to version {version}: no server of the fleet "
+                                f"took it ({self._describe()})")
+      old, self._current_dir, self._version = self._current_dir, path, version
+      if old is not None and old != path:
+        shutil.rmtree(old, ignore_errors=True)
+      self.last_weight_sync = {"write_s": t1 - t0, "load_s": time.perf_counter() - t1,
+                               "seconds": time.perf_counter() - t0,
+                               "servers": float(sum(results))}
+
+  def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+    """Teacher-forced log-probs (OpenAIEngine.score) on the least-loaded server in service."""
+    m = self._acquire(len(sequences))
+    try:
+      return m.client.score(sequences)
+    except ServerUnreachable as e:
+      self._take_out(m, e)
+      raise
+    finally:
+      self._release(m, len(sequences))
+
+  def metrics(self) -> dict[str, float]:
+    """fleet/servers_up and, per server i, its requests and times taken out / readmitted."""
+    with self._lock:
+      out = {"fleet/servers_up": float(sum(m.up for m in self._members)),
+             "fleet/servers": float(len(self._members))}
+      for i, m in enumerate(self._members):
+        out.update({f"fleet/{i}/up": float(m.up), f"fleet/{i}/requests": float(m.requests),
+                    f"fleet/{i}/taken_out": float(m.taken_out),
+                    f"fleet/{i}/readmitted": float(m.readmitted)})
+    return out
+
+  def servers(self) -> list[dict]:
+    """Each server's URL, state and counts (for logs and tests)."""
+    with self._lock:
+      return [{"url": m.url, "up": m.up, "load": m.load, "requests": m.requests,
+               "taken_out": m.taken_out, "readmitted": m.readmitted, "why": m.why}
+              for m in self._members]
+
+  def check_health(self) -> None:
+    """One round of the health check (the thread runs it every `health_interval_s`)."""
+    for m in self._members:
+      if self._closing.is_set():
+        return
+      if m.up:
+        if not self._answers(m):
+          self._take_out(m, ServerUnreachable(f"{m.url} stopped answering the health check"))
+      elif self._answers(m):
+        self._readmit(m)
+
+  def close(self) -> None:
+    self._closing.set()
+    if self._health is not None:
+      self._health.join(10)
+    self._pool.shutdown(wait=False, cancel_futures=True)
+    for m in self._members:
+      if m.client is not None:
+        m.client.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  # -- helpers -------------------------------------------------------------------------------
+
+  def _client(self, url: str) -> OpenAIEngine:
+    return OpenAIEngine(dataclasses.replace(self.cfg.server, base_url=url), version=self._version)
+
+  def _one(self, prompt: list[int], sampling: SamplingParams, n: int,
+           seed: Optional[int]) -> list[Completion]:
+    m = self._acquire(n)
+    version = m.client.version
+    try:
+      return m.client.generate([prompt], sampling, n=n, seed=seed)[0]
+    except ServerUnreachable as e:
+      self._take_out(m, e)
+      return [Completion(token_ids=[], logprobs=[], finish_reason="error", version=version)
+              for _ in range(n)]
+    finally:
+      self._release(m, n)
+
+  def _acquire(self, n: int) -> _Member:
+    with self._lock:
+      up = [m for m in self._members if m.up]
+      if not up:
+        raise ServerUnreachable(f"no server of the fleet is in service ({self._describe()})")
+      k = next(self._rr)
+      m = min(up, key=lambda m: (m.load, (self._members.index(m) - k) % len(self._members)))
+      m.load += n
+      m.requests += 1
+      return m
+
+  def _release(self, m: _Member, n: int) -> None:
+    with self._lock:
+      m.load -= n
+
+  def _take_out(self, m: _Member, why: Exception) -> None:
+    with self._lock:
+      if m.up:
+        m.up, m.why = False, str(why)
+        m.taken_out += 1
+
+  def _load(self, m: _Member, path: pathlib.Path, version: int) -> bool:
+    """Has `m` load `path` as `version` and checks what it reports; False = taken out."""
+    try:
+      m.client.load_checkpoint(path, version, server_wait_s=0)
+      served = m.client.served_version()
+      if served not in ("unknown", version):
+        raise EngineError(f"{m.url} reports version {served} after loading version {version}")
+      return True
+    except EngineError as e:
+      self._take_out(m, e)
+      return False
+
+  def _readmit(self, m: _Member) -> None:
+    """A server that answers again: current weights first, then back in service."""
+    with self._sync:
+      try:
+        if m.client is None:
+          m.client = self._client(m.url)
+          if m.client.model != self.model:
+            raise EngineError(f"{m.url} serves {m.client.model!r}, the fleet {self.model!r}")
+        if self._current_dir is not None:
+          if not self._load(m, self._current_dir, self._version):
+            return
+        elif m.client.served_version() not in (None, "unknown"):
+          raise EngineError(f"{m.url} holds trained weights, the fleet its start weights")
+      except EngineError as e:
+        with self._lock:
+          m.why = str(e)
+        return
+      with self._lock:
+        m.up, m.why = True, ""
+        m.readmitted += 1
+
+  def _answers(self, m: _Member) -> bool:
+    """GET /v1/models answers within the connect timeout (no retries)."""
+    key = self.cfg.server.api_key
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    req = urllib.request.Request(f"{m.url.rstrip('/')}/v1/models", headers=headers)
+    try:
+      with urllib.request.urlopen(req, timeout=self.cfg.server.connect_timeout_s) as r:
+        return r.status == 200
+    except (OSError, ValueError):
+      return False
+
+  def _watch(self) -> None:
+    while not self._closing.wait(self.cfg.health_interval_s):
+      try:
+        self.check_health()
+      except Exception:  # noqa: BLE001 -- the watcher must outlive one bad round
+        pass
+
+  def _describe(self) -> str:
+    return "; ".join(f"{m.url}: {'up' if m.up else 'out: ' + (m.why or 'down')}"
+                     for m in self._members)
+
+
+def _check(cfg: FleetConfig, model_config, max_tokens: int) -> None:
+  """Before the run: servers listed, and a weights directory they all read."""
+  del model_config, max_tokens
+  from posttrain_jax.config_io import ConfigTypeError
+  if not cfg.urls:
+    raise ConfigTypeError("config.rl.engine_config.urls: rl.engine='fleet' needs the servers' "
+                          "URLs (or launch them with posttrain_jax.engines.fleet_ray)")
+  if not cfg.server.weights_dir:
+    raise ConfigTypeError("config.rl.engine_config.server.weights_dir: rl.engine='fleet' needs "
+                          "a directory this process and every server read, for weight sync")
+
+
+@register_engine("fleet", FleetConfig, check=_check, copies_weights=True)
+def _build(cfg: FleetConfig, ctx: EngineContext):
+  """A client of servers the user (or fleet_ray) already runs, each started from the RL start
+  weights with our worker extension (see openai_engine.py)."""
+  return DecoderWeights(FleetEngine(cfg), ctx.graphdef)
+
+
+__all__ = ["FleetConfig", "FleetEngine"]
