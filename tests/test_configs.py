@@ -106,3 +106,27 @@ def test_serve_config_names_an_engine_whose_settings_are_flags():
   _parse_flags(["serve", f"--config={serve}", "--config.engine=vllm"], serve, plain)
   cfg = serve_config_from_dict(plain.config.to_dict())
   assert cfg.engine == "vllm" and cfg.engine_config is None
+
+
+def test_default_config_names_an_engine_whose_settings_are_flags():
+  """`--config=configs/default.py:fleet` (README "With a vLLM fleet"): the fleet's URL tuple,
+  its nested per-server and Ray settings are flags, parsed as launch/train.py parses them."""
+  from absl import flags
+
+  from posttrain_jax.engines.fleet import FleetConfig
+  from posttrain_jax.engines.fleet_ray import RayFleetConfig
+  from posttrain_jax.engines.openai_engine import OpenAIEngineConfig
+  from posttrain_jax.launch.cli import _parse_flags
+  from posttrain_jax.run_config import run_config_from_dict
+
+  default = str(ROOT / "configs" / "default.py")
+  fv = flags.FlagValues()
+  _parse_flags(["train", f"--config={default}:fleet",
+                "--config.rl.engine_config.urls=('http://a:8000', 'http://b:8000')",
+                "--config.rl.engine_config.server.weights_dir=/shared/weights",
+                "--config.rl.engine_config.ray.num_gpus=1"], default, fv)
+  cfg = run_config_from_dict(fv.config.to_dict())
+  assert cfg.rl.engine == "fleet"
+  assert cfg.rl.engine_config == FleetConfig(
+      urls=("http://a:8000", "http://b:8000"),
+      server=OpenAIEngineConfig(weights_dir="/shared/weights"), ray=RayFleetConfig(num_gpus=1.0))

@@ -123,10 +123,13 @@ class _KillingProxy:
   """A TCP forwarder between the engine and the server: once `arm()`ed, the first
   POST /v1/completions that passes through is forwarded and then the server's process group is
   killed (SIGKILL), so the kill lands with a rollout's request in flight at the server, not
-  between two requests (where update_weights would just wait for the restart)."""
+  between two requests (where update_weights would just wait for the restart). With
+  `kill_first` the server is killed before the request is passed on: a request that the server
+  would answer within the forwarder's 50 ms (a few tokens) is still lost."""
 
-  def __init__(self, server):
+  def __init__(self, server, kill_first: bool = False):
     self.server, self.armed, self.killed_pid = server, threading.Event(), None
+    self.kill_first = kill_first
     self._lsock = socket.create_server(("127.0.0.1", 0))
     self.url = f"http://127.0.0.1:{self._lsock.getsockname()[1]}"
     threading.Thread(target=self._accept, daemon=True).start()
@@ -152,10 +155,15 @@ class _KillingProxy:
   def _pipe(self, src, dst, to_server):
     try:
       while data := src.recv(65536):
-        dst.sendall(data)
-        if (to_server and self.killed_pid is None and self.armed.is_set()
-            and b"POST /v1/completions" in data):
+        kill = (to_server and self.killed_pid is None and self.armed.is_set()
+                and b"POST /v1/completions" in data)
+        if kill:
           self.killed_pid = self.server.proc.pid
+        if kill and self.kill_first:
+          os.killpg(self.killed_pid, signal.SIGKILL)
+          time.sleep(0.2)   # gone before the request reaches it
+        dst.sendall(data)
+        if kill and not self.kill_first:
           time.sleep(0.05)  # the request has reached the server
           os.killpg(self.killed_pid, signal.SIGKILL)
     except OSError:

@@ -24,12 +24,12 @@ def test_a_run_goes_on_on_the_other_server(tmp_path, monkeypatch):
   from tests.test_trainer import tiny_run
   from tests.test_trainer_vllm import TINY
 
-  collected = {}                   # a spy: what the real source returned, per step
+  collected = []                   # a spy: what the real source returned, step by step
   real_collect = SyncRollouts.collect
 
   def spy(self, step):
     tasks, trajs = real_collect(self, step)
-    collected[step] = (tasks, trajs)
+    collected.append((tasks, trajs))
     return tasks, trajs
 
   monkeypatch.setattr(SyncRollouts, "collect", spy)
@@ -44,7 +44,8 @@ def test_a_run_goes_on_on_the_other_server(tmp_path, monkeypatch):
     for t in starters:
       t.join()
     try:
-      proxy = _KillingProxy(servers[1])   # kills server 1 with a request of step 3 in flight
+      # kills server 1 as step 3's request to it is sent (4 tokens: it would answer in < 50 ms)
+      proxy = _KillingProxy(servers[1], kill_first=True)
       workdir = tmp_path / "run"
       cfg = tiny_run(workdir, model={"tiny": {**TINY, "corpus_lines": 500}},
                      rl={"steps": 6, "prompts_per_step": 2, "engine": "fleet",
@@ -54,7 +55,11 @@ def test_a_run_goes_on_on_the_other_server(tmp_path, monkeypatch):
                                                       "weights_dir": str(tmp_path / "weights")}},
                          "rollout": {"group_size": 4, "max_tokens": 4},
                          "learner": {"loss": "grpo", "optimizer": {"learning_rate": 1e-3}},
-                         "batch": {"rows": 8, "seq_len": 32, "max_seqs": 8, "pack": False}})
+                         "batch": {"rows": 8, "seq_len": 32, "max_seqs": 8, "pack": False}},
+                     # held-out eval before and after RL only: the first request after step 2
+                     # is then step 3's rollout, not an eval's
+                     eval={"every_steps": 100, "samples_per_prompt": 1, "max_tokens": 4,
+                           "greedy": False})
 
       def arm_after_step_2():
         path = workdir / "metrics.jsonl"
@@ -87,12 +92,13 @@ def test_a_run_goes_on_on_the_other_server(tmp_path, monkeypatch):
 
   # the killed server's group: infra_error, no tokens sampled, no reward (not 0); its task is
   # the first task of the next step, and there it is graded like any other
-  tasks3, trajs3 = collected[3]
+  assert len(collected) == 6
+  tasks3, trajs3 = collected[2]     # RL step 3
   infra = [t for t in trajs3 if t.status is Status.INFRA_ERROR]
   assert len(infra) == 4 and len({t.task_id for t in infra}) == 1
   assert all(t.reward is None and sum(t.loss_mask) == 0 for t in infra)
   assert all(t.reward is not None for t in trajs3 if t.status is not Status.INFRA_ERROR)
-  tasks4, trajs4 = collected[4]
+  tasks4, trajs4 = collected[3]
   lost = next(task for task in tasks3 if task.id == infra[0].task_id)
   assert tasks4[0] == lost
   assert all(t.status is not Status.INFRA_ERROR and t.reward is not None for t in trajs4)

