@@ -65,6 +65,7 @@ def _build(cfg, ctx):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_a_registered_episode_type_runs_in_both_sources(tmp_path, mode):
   base = tiny_run(tmp_path, sft={"steps": 0}) if mode == "sync" else async_run(tmp_path)
   rl = base.rl

@@ -91,6 +91,7 @@ def test_a_failing_eval_is_retried_and_gives_the_same_accuracy(tmp_path, clean):
   assert sum("held-out eval attempt" in line for line in log) == 2
 
 
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_an_eval_that_keeps_failing_is_reported_and_the_run_goes_on(tmp_path, clean):
   result, evals, log = _run(tmp_path, fail_calls=(2, 3), max_retries=1)
   mid = sorted(evals)[1]

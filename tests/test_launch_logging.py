@@ -30,6 +30,7 @@ def _train(tmp_path, *flags):
   return out
 
 
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_console_shows_progress_heldout_and_result_only(tmp_path):
   out = _train(tmp_path)
   assert not _ABSL_LOG.search(out.stdout + out.stderr), out.stderr[-3000:]

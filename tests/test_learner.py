@@ -153,6 +153,7 @@ def test_unknown_loss_lists_registered():
 
 
 @pytest.mark.devices(8)
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_micro_batches_span_every_device():
   """Rows sharded over 8 devices, 2 micro-batches of 8 rows: each micro-batch is rows
   k, k+2, ... (so every device holds 1 row of each), inside the jitted accumulation as well,

@@ -86,6 +86,7 @@ def test_two_processes_feeding_their_own_rows_train_like_one(tmp_path, micro):
       [["(8,", "16)"], ["(8,", "16)"]]   # rows = 8 per process
 
 
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_a_process_that_kept_nothing_still_takes_part(tmp_path):
   one_loss, one, _ = _run(tmp_path, "whole", 1, processes=1, devices=4)
   two_loss, two, _ = _run(tmp_path, "empty", 1, processes=2, devices=2)

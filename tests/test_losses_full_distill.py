@@ -177,6 +177,7 @@ def test_tokens_without_a_teacher_or_outside_the_loss_mask_contribute_nothing():
   np.testing.assert_array_equal(np.asarray(g1[0]).reshape(B, T, D)[1, 1], 0.0)
 
 
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_head_loss_through_the_learner_is_exact_over_micro_batches():
   trajs = random_trajectories(6, seed=4)
   cfg = batching.BatchConfig(rows=8, seq_len=16, max_seqs=8, pack=False)

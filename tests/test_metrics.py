@@ -48,6 +48,7 @@ def test_resume_rows_keeps_only_the_lines_written_before_the_checkpoint(tmp_path
   assert w.rows == 3
 
 
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_a_kill_after_the_boundary_checkpoint_logs_its_heldout_eval_once(tmp_path):
   """The held-out eval before RL is written after the step-`sft.steps` checkpoint: a run stopped
   (as if killed) before the next checkpoint re-evaluates on resume, and used to keep both rows."""

@@ -106,6 +106,7 @@ print("built", jax.process_index(), (d / "config.json").exists())
 
 
 @pytest.mark.parametrize("delay", [0.0, 8.0])
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_every_process_builds_the_tiny_model_in_step(tmp_path, delay):
   """build_tiny_model in a 2-process job (the trainer's first act): the processes decide
   together whether the cache holds it, so the collective export is entered by both. Before,

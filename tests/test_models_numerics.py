@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from posttrain_jax.models import hf_io
@@ -22,6 +23,7 @@ def _logits_and_grad(cfg, seed=0):
   return np.asarray(logits, np.float32), grads
 
 
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_bf16_compute_close_to_fp32():
   ref, _ = _logits_and_grad(CFG)
   got, _ = _logits_and_grad(CFG.replace(compute_dtype="bfloat16"))

@@ -32,6 +32,7 @@ def _preempt_after(monkeypatch, step: int) -> threading.Event:
   return event
 
 
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_preempted_run_checkpoints_its_step_and_resumes_bit_for_bit(tmp_path, monkeypatch):
   quiet = dict(log=lambda *_: None)
   assert Trainer(tiny_run(tmp_path / "a"), **quiet).run() is not None

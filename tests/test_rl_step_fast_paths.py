@@ -215,6 +215,7 @@ def _record_shapes(learner):
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_rl_step_on_a_trimmed_batch_trains_like_the_padded_one(micro_batches):
   mesh = make_mesh(MeshConfig())        # 8 devices, fsdp=8: rows stay multiples of 8 · M
   source = _Fixed(random_trajectories(16, seed=3))
@@ -294,6 +295,7 @@ def _count_step_compiles(learner):
   return compiles, lambda: jax.monitoring.unregister_event_duration_listener(listener)
 
 
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_bucketing_bounds_the_train_steps_compiles():
   """Eight batches of eight different used shapes compile the train step four times (one per
   bucket); untrimmed, one shape and one compile."""
@@ -318,6 +320,7 @@ def test_bucketing_bounds_the_train_steps_compiles():
     assert len(compiles) == len(want), (trim, shapes)
 
 
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_report_only_reference_every_kl_every_versions_changes_only_when_kl_is_logged(tmp_path):
   source = _Fixed(random_trajectories(8, seed=4))
   cfg = dataclasses.replace(FULL, rows=8)

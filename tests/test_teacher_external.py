@@ -200,6 +200,7 @@ def _kl_to_teacher(student_dir, teacher_dir, prompts):
 
 
 @pytest.mark.parametrize("loss", ["sampled_distill", "full_distill"])
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_a_run_distills_towards_the_external_teacher(tmp_path, loss):
   """10 steps of 64 samples: the student's next-token distribution after the prompts (training
   and held-out) moves towards the teacher's. (The sampled-token estimator needs the samples:

@@ -43,6 +43,7 @@ def _weights(path):
   return {n: np.array(a) for n, a in ck.items()}
 
 
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_resume_is_exact(tmp_path):
   """6 steps straight == 3 steps, stop, new Trainer resumes to 6: same params, same data."""
   straight = Trainer(tiny_run(tmp_path / "a"), log=lambda *_: None).run()

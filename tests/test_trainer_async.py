@@ -70,6 +70,7 @@ def ledger(monkeypatch):
   return log
 
 
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_async_run_resume_loses_and_duplicates_nothing(tmp_path, ledger):
   quiet = lambda *_: None
   assert Trainer(async_run(tmp_path, stop_after_step=2), log=quiet).run() is None

@@ -52,6 +52,7 @@ def test_attempts_without_feedback_have_no_teacher_and_are_counted(tmp_path):
 
 
 @pytest.mark.parametrize("loss", ["sampled_distill", "full_distill"])
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_an_ema_teacher_resumes_bit_for_bit(tmp_path, loss):
   """Stop at step 2 of 4 and resume: the EMA saved with the checkpoint is restored, so the EMA
   and the final weights equal an uninterrupted run's exactly (and the EMA is not the student)."""

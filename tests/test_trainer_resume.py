@@ -54,6 +54,7 @@ def test_running_baseline_gives_nonzero_advantages_and_survives_resume(tmp_path)
     np.testing.assert_array_equal(end[k], b[k], err_msg=k)
 
 
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_resume_at_the_sft_to_rl_boundary(tmp_path):
   """A stop right after the step-`sft.steps` checkpoint resumes, and equals a straight run; a
   boundary checkpoint whose sft_model/ went missing is re-exported from the checkpoint."""

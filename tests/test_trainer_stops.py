@@ -54,6 +54,7 @@ def _check_totals(workdir):
   return rows
 
 
+@pytest.mark.slow  # > 30 s: CI's slow stage
 def test_target_stops_the_run_and_a_resume_finishes_it(tmp_path, monkeypatch):
   # evals: before RL, after RL step 2 (global 4), after RL step 4 (global 6): 0.9 >= 0.5 there
   calls = _scripted(monkeypatch, [0.1, 0.3, 0.9, 0.2, 0.97, 0.5])
