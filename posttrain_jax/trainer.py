@@ -177,6 +177,9 @@ class Trainer:
       if cfg.rl.mode == "traces":   # every process would read, and train on, every session
         raise ConfigTypeError(f"rl.mode='traces' runs in one process (got {n}): the trace "
                               "store is not sharded between processes")
+      if cfg.rl.engine == "fleet":   # each process would push its weights to every server
+        raise ConfigTypeError(f"rl.engine='fleet' is driven by a one-process learner (got {n}): "
+                              "each process would push weights to, and route over, every server")
       if cfg.rl.engine == "jax" and (cfg.rl.mode != "sync" or self._multi_turn):
         raise ConfigTypeError(
             f"rl.engine='jax' with {n} processes serves rl.mode='sync' single-turn rollouts only "

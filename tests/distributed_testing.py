@@ -6,10 +6,13 @@ Each process runs `code` with `devices` CPU devices of its own
 A job that has not finished within `timeout` seconds is killed and the test fails (a
 collective that one process never enters hangs the others: that must fail, not hang).
 
-jaxlib's Gloo CPU collectives write `[Gloo] Rank i is connected to ...` to stdout (C++,
-not through Python) whenever a connection handshake is slow, e.g. on a loaded machine, and
-it can come after the worker's own last line; `run_processes` drops those lines so a test
-reads only what its worker printed (CI stop 22 failed on one).
+jaxlib's Gloo CPU collectives write `[Gloo] Rank i is connected to ...` to stdout (C++
+std::cout, not through Python) whenever a connection handshake is slow, e.g. on a loaded
+machine: after the worker's own last line (CI stop 22 failed on one), or in pieces between
+which a Python line lands (a stray "1" line, a JSON line cut in two: 2 of 8 runs of
+test_checkpoint_multihost here). So each worker starts with `_PRELUDE`: C++'s fd 1 goes to
+stderr and Python's `sys.stdout` to the pipe the test reads, which then holds only what the
+worker printed; lines starting "[Gloo] " are still dropped, should any arrive.
 """
 import os
 import pathlib
@@ -29,6 +32,14 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+_PRELUDE = """\
+import os as _os, sys as _sys
+_fd = _os.dup(1)      # the pipe the test reads: Python's prints only
+_os.dup2(2, 1)        # C/C++ writes to fd 1 (Gloo's std::cout) go to stderr
+_sys.stdout = _os.fdopen(_fd, "w", buffering=1)
+"""
+
+
 def run_processes(code: str, cwd: os.PathLike, *, processes: int = 2, devices: int = 2,
                   args: Sequence[str] = (), timeout: float = 120) -> list[str]:
   """Runs `code` (`python -c code *args`) as processes 0..N-1 of one JAX job; returns each
@@ -42,8 +53,8 @@ def run_processes(code: str, cwd: os.PathLike, *, processes: int = 2, devices: i
            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(processes),
            "JAX_PROCESS_ID": str(i), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(ROOT), base.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    procs.append(subprocess.Popen([sys.executable, "-c", code, *args], env=env, cwd=cwd,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    procs.append(subprocess.Popen([sys.executable, "-c", _PRELUDE + code, *args], env=env,
+                                  cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
   outs, timed_out = [], False
   for p in procs:
     try:

@@ -118,3 +118,32 @@ def test_a_two_process_training_run_stops_and_resumes_on_every_process(tmp_path)
   assert lines[-1].startswith("RESULT heldout_before=")
   rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows if "data/hash" in r] == [1, 2, 3, 4, 5, 6]
+
+
+_REFUSE_FLEET = """
+import sys
+from posttrain_jax import sharding
+sharding.initialize_distributed()
+from posttrain_jax.config_io import ConfigTypeError
+from posttrain_jax.trainer import Trainer
+from tests.test_trainer import tiny_run
+rl = {"steps": 2, "prompts_per_step": 2, "engine": "fleet",
+      "engine_config": {"urls": ["http://127.0.0.1:9"], "server": {"weights_dir": sys.argv[1]}},
+      "rollout": {"group_size": 4, "max_tokens": 4}, "learner": {"loss": "grpo"},
+      "batch": {"rows": 8, "seq_len": 32, "max_seqs": 8, "pack": False}}
+try:
+  Trainer(tiny_run(sys.argv[1] + "/run", sft={"steps": 0}, rl=rl), log=lambda *_: None)
+  print("not refused")
+except ConfigTypeError as e:
+  print("refused:", e)
+"""
+
+
+def test_a_fleet_is_refused_with_several_processes(tmp_path):
+  """Each process would push its weights to, and route over, every server of the fleet."""
+  from tests.distributed_testing import run_processes
+  outs = run_processes(_REFUSE_FLEET, ROOT, args=[str(tmp_path)], timeout=240)
+  for out in outs:
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("refused:") and "one-process learner" in last, out
+  assert not (tmp_path / "run").exists()   # refused before anything was written

@@ -10,26 +10,31 @@ Routing: each prompt (one request for its `n` completions) goes to the server in
 the fewest completions in flight from this fleet (least loaded; ties by round robin), so a slow
 or busy server gets less work and a batch spreads over every server.
 
-Failure: a request that fails at the connection level (`ServerUnreachable`: refused, reset,
-timed out, 5xx after the client's retries) takes its server out of service, and that prompt's
-completions come back with finish_reason "error" and no tokens: the rollout makes them
+Failure: a request that fails on the server's side (`ServerUnreachable`: refused, reset, timed
+out, 5xx after the client's retries; or any other EngineError but a 4xx, which blames the
+request and is raised) takes its server out of service, and that prompt's completions come
+back with finish_reason "error" and no tokens: the rollout makes them
 `infra_error` (never graded, never a reward of 0) and, the whole group having failed, requeues
 the task (actors/rollout.py). Requests already on other servers are untouched; later requests
 go to the servers in service. No server in service: `generate` raises ServerUnreachable, which
 the rollout source retries with backoff and then requeues.
 
-Health: a thread probes every server each `health_interval_s` (GET /v1/models): one that stops
-answering is taken out before a request is lost on it; one that answers again (restarted by
-its supervisor, Ray or a person) is readmitted only once it holds the fleet's current weights
-(reloaded from the current checkpoint and its version read back from the server).
+Health: a thread probes every server each `health_interval_s` (GET /v1/models, then the
+version its workers hold): one that stops answering, or that answers holding other weights
+than the fleet's (restarted between two probes: start weights), is taken out before a request
+is lost on it or tagged wrongly; one that answers again (restarted by its supervisor, Ray or a
+person) is readmitted only once it holds the fleet's current weights (reloaded from the
+current checkpoint and its version read back from the server). A round does not wait for a
+weight update in progress: readmission waits for the next round.
 
 Weights: `update_weights` writes one checkpoint to `<server.weights_dir>/v<version>` (storage
 every server reads), then each server in service loads it concurrently (pause, reload, reset
 prefix cache, resume: OpenAIEngine.load_checkpoint) and is asked which version it now holds; a
 server that fails to load or reports another version is taken out (and readmitted later by the
-health check, with the current weights). The update fails only if no server took it. The
+health check, with the current weights). If no server took it (all out at that moment), the
+update waits up to `server.server_wait_s` for one to be readmitted with it, then fails. The
 previous checkpoint is removed once the new one is in; the current one is kept for servers
-that come back.
+that come back. One learner process drives a fleet (several would each push to every server).
 
 Placement: a static URL list (`urls`: servers someone else runs), or Ray (`ray.servers` > 0:
 fleet_ray.py places one server actor per slot, restarts dead ones, and the health round follows
@@ -50,7 +55,7 @@ from typing import Any, Callable, Optional, Sequence
 from posttrain_jax.engines.base import Completion, EngineError, SamplingParams
 from posttrain_jax.engines.fleet_ray import RayFleetConfig
 from posttrain_jax.engines.openai_engine import (
-    OpenAIEngine, OpenAIEngineConfig, ServerUnreachable, write_checkpoint)
+    OpenAIEngine, OpenAIEngineConfig, RequestRejected, ServerUnreachable, write_checkpoint)
 from posttrain_jax.engines.registry import DecoderWeights, EngineContext, register_engine
 
 
@@ -99,7 +104,11 @@ class FleetEngine:
     self._members = [_Member(u, None) for u in urls]
     self._pool = concurrent.futures.ThreadPoolExecutor(cfg.max_concurrency,
                                                        thread_name_prefix="fleet")
+    # weight loads on their own threads: never queued behind the prompts waiting in _pool
+    self._loader = concurrent.futures.ThreadPoolExecutor(len(urls) + 4,
+                                                         thread_name_prefix="fleet-load")
     self.last_weight_sync: Optional[dict[str, float]] = None
+    self.last_discover_error: Optional[str] = None
     errors = []
     for m in self._members:
       try:
@@ -154,24 +163,30 @@ class FleetEngine:
       t1 = time.perf_counter()
       with self._lock:
         targets = [m for m in self._members if m.up]
-      results = list(self._pool.map(lambda m: self._load(m, path, version), targets))
-      if not any(results):
-        if path != self._current_dir:
-          shutil.rmtree(path, ignore_errors=True)
-        raise ServerUnreachable(f"weight update to version {version}: no server of the fleet "
-                                f"took it ({self._describe()})")
+      results = list(self._loader.map(lambda m: self._load(m, path, version), targets))
+      # current even if no server took it: a server readmitted from now on loads this one
       old, self._current_dir, self._version = self._current_dir, path, version
       if old is not None and old != path:
         shutil.rmtree(old, ignore_errors=True)
-      self.last_weight_sync = {"write_s": t1 - t0, "load_s": time.perf_counter() - t1,
-                               "seconds": time.perf_counter() - t0,
-                               "servers": float(sum(results))}
+    if not any(results):   # every server out: wait for the health check to readmit one
+      deadline = time.monotonic() + self.cfg.server.server_wait_s
+      while not any(m.up for m in self._members):
+        if time.monotonic() > deadline:
+          raise ServerUnreachable(
+              f"weight update to version {version}: no server of the fleet took it within "
+              f"server_wait_s={self.cfg.server.server_wait_s:g} s ({self._describe()})")
+        if self._health is None:
+          self.check_health()
+        time.sleep(min(1.0, self.cfg.health_interval_s or 1.0))
+    self.last_weight_sync = {"write_s": t1 - t0, "load_s": time.perf_counter() - t1,
+                             "seconds": time.perf_counter() - t0,
+                             "servers": float(sum(results))}
 
   def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
     """Teacher-forced log-probs (OpenAIEngine.score) on the least-loaded server in service."""
-    m = self._acquire(len(sequences))
+    m, client = self._acquire(len(sequences))
     try:
-      return m.client.score(sequences)
+      return client.score(sequences)
     except ServerUnreachable as e:
       self._take_out(m, e)
       raise
@@ -199,13 +214,17 @@ class FleetEngine:
   def check_health(self) -> None:
     """One round of the health check (the thread runs it every `health_interval_s`)."""
     if self._discover is not None:
-      self._follow(self._discover())
+      try:
+        self._follow(self._discover())
+      except Exception as e:  # noqa: BLE001 -- the probes below still run
+        self.last_discover_error = f"{type(e).__name__}: {e}"
     for m in list(self._members):
       if self._closing.is_set():
         return
       if m.up:
-        if not self._answers(m):
-          self._take_out(m, ServerUnreachable(f"{m.url} stopped answering the health check"))
+        why = self._unhealthy(m)
+        if why:
+          self._take_out(m, EngineError(why))
       elif self._answers(m):
         self._readmit(m)
 
@@ -214,6 +233,7 @@ class FleetEngine:
     if self._health is not None:
       self._health.join(10)
     self._pool.shutdown(wait=False, cancel_futures=True)
+    self._loader.shutdown(wait=False, cancel_futures=True)
     for m in self._members:
       if m.client is not None:
         m.client.close()
@@ -233,18 +253,21 @@ class FleetEngine:
 
   def _one(self, prompt: list[int], sampling: SamplingParams, n: int,
            seed: Optional[int]) -> list[Completion]:
-    m = self._acquire(n)
-    version = m.client.version
+    m, client = self._acquire(n)
     try:
-      return m.client.generate([prompt], sampling, n=n, seed=seed)[0]
-    except ServerUnreachable as e:
+      return client.generate([prompt], sampling, n=n, seed=seed)[0]
+    except RequestRejected:
+      raise                  # this request's fault (4xx), not the server's
+    except EngineError as e:
       self._take_out(m, e)
-      return [Completion(token_ids=[], logprobs=[], finish_reason="error", version=version)
-              for _ in range(n)]
+      return [Completion(token_ids=[], logprobs=[], finish_reason="error",
+                         version=client.version) for _ in range(n)]
     finally:
       self._release(m, n)
 
-  def _acquire(self, n: int) -> _Member:
+  def _acquire(self, n: int) -> tuple[_Member, OpenAIEngine]:
+    """The least-loaded member in service and its client (read together: a slot that moves
+    gets a new client), its load raised by n."""
     with self._lock:
       up = [m for m in self._members if m.up]
       if not up:
@@ -253,7 +276,7 @@ class FleetEngine:
       m = min(up, key=lambda m: (m.load, (self._members.index(m) - k) % len(self._members)))
       m.load += n
       m.requests += 1
-      return m
+      return m, m.client
 
   def _release(self, m: _Member, n: int) -> None:
     with self._lock:
@@ -267,9 +290,10 @@ class FleetEngine:
 
   def _load(self, m: _Member, path: pathlib.Path, version: int) -> bool:
     """Has `m` load `path` as `version` and checks what it reports; False = taken out."""
+    client = m.client
     try:
-      m.client.load_checkpoint(path, version, server_wait_s=0)
-      served = m.client.served_version()
+      client.load_checkpoint(path, version, server_wait_s=0)
+      served = client.served_version()
       if served not in ("unknown", version):
         raise EngineError(f"{m.url} reports version {served} after loading version {version}")
       return True
@@ -278,13 +302,18 @@ class FleetEngine:
       return False
 
   def _readmit(self, m: _Member) -> None:
-    """A server that answers again: current weights first, then back in service."""
-    with self._sync:
+    """A server that answers again: current weights first, then back in service. Skipped
+    while a weight update holds the fleet (the next round tries again)."""
+    if not self._sync.acquire(blocking=False):
+      return
+    try:
       try:
         if m.client is None:
-          m.client = self._client(m.url)
-          if m.client.model != self.model:
-            raise EngineError(f"{m.url} serves {m.client.model!r}, the fleet {self.model!r}")
+          client = self._client(m.url)
+          if client.model != self.model:
+            client.close()
+            raise EngineError(f"{m.url} serves {client.model!r}, the fleet {self.model!r}")
+          m.client = client
         if self._current_dir is not None:
           if not self._load(m, self._current_dir, self._version):
             return
@@ -297,6 +326,29 @@ class FleetEngine:
       with self._lock:
         m.up, m.why = True, ""
         m.readmitted += 1
+    finally:
+      self._sync.release()
+
+  def _unhealthy(self, m: _Member) -> str:
+    """Why a member in service must be taken out ("" = it is fine): it does not answer, or
+    its workers hold other weights than its client tags completions with (a restart between
+    two probes). The version is not read during a weight update (it changes under it)."""
+    if not self._answers(m):
+      return f"{m.url} stopped answering the health check"
+    if not self._sync.acquire(blocking=False):
+      return ""
+    try:
+      client = m.client
+      served = client.served_version()
+      expected = client.version if self._current_dir is not None else None
+      if served not in ("unknown", expected):
+        return (f"{m.url} holds weights version {served}, its completions would be tagged "
+                f"{expected} (restarted between two health checks?)")
+      return ""
+    except EngineError as e:
+      return f"{m.url}: the health check could not read its weights' version ({e})"
+    finally:
+      self._sync.release()
 
   def _answers(self, m: _Member) -> bool:
     """GET /v1/models answers within the connect timeout (no retries)."""

@@ -45,13 +45,35 @@ class RayFleetConfig:
 
 
 class _ServerActor:
-  """A Ray actor owning one LocalVLLMServer on its node."""
+  """A Ray actor owning one LocalVLLMServer on its node. A server that cannot start, or that is
+  down for good (its own restarts used up), ends the actor's process: Ray restarts a crashed
+  actor (`max_restarts`) but not one whose constructor raised or that lives on serverless."""
 
   def __init__(self, server_cfg):
+    import os
+    import threading
     import ray
     from posttrain_jax.engines.vllm_server import LocalVLLMServer
-    self.server = LocalVLLMServer(server_cfg).start()
+    try:
+      self.server = LocalVLLMServer(server_cfg).start()
+    except Exception as e:  # noqa: BLE001 -- reported in the actor's log, then a crash
+      print(f"vLLM server failed to start on this node: {e}", flush=True)
+      os._exit(1)
     self.host = ray.util.get_node_ip_address()
+    self._stopping = False
+    threading.Thread(target=self._watch, daemon=True, name="server-watch").start()
+
+  def _watch(self) -> None:
+    import os
+    import time
+    while not self._stopping:
+      sup, proc = self.server._supervisor, self.server.proc  # noqa: SLF001
+      restarting = sup is not None and sup.is_alive()
+      if not restarting and (proc is None or proc.poll() is not None) and not self._stopping:
+        print("vLLM server is down for good in this actor: exiting for Ray to restart it",
+              flush=True)
+        os._exit(1)
+      time.sleep(1.0)
 
   def url(self) -> str:
     return f"http://{self.host}:{self.server.port}"
@@ -64,6 +86,7 @@ class _ServerActor:
     """SIGTERM to the server's process group (its engine core and workers too), SIGKILL after
     30 s. Ray's own kill of an actor would SIGKILL the server alone (Ray kills a worker's direct
     children on exit), orphaning vLLM's engine core."""
+    self._stopping = True
     self.server.close()
 
   def actor_pid(self) -> int:

@@ -99,6 +99,10 @@ class ServerUnreachable(EngineError):
   """No answer at the connection level (refused, reset, timed out) after the bounded retries."""
 
 
+class RequestRejected(EngineError):
+  """The server answered 4xx: this request is at fault (too long, malformed), not the server."""
+
+
 class _HTTPError(Exception):
   def __init__(self, status: int, body: str):
     super().__init__(f"HTTP {status}: {body[:500]}")
@@ -195,8 +199,9 @@ class OpenAIEngine:
                           self.cfg.server_wait_s if server_wait_s is None else server_wait_s)
 
   def served_version(self):
-    """What the server's workers hold: a version, None (their start weights) or "unknown" (no
-    worker extension to ask). ServerUnreachable when it does not answer."""
+    """What the server's workers hold: a version, None (their start weights), "unknown" (no
+    worker extension to ask) or "mixed" (its workers disagree). ServerUnreachable when it does
+    not answer."""
     return self._server_version()
 
   def _check_version(self, version: int) -> None:
@@ -303,7 +308,7 @@ class OpenAIEngine:
 
   def _server_version(self):
     """The version the server's workers hold (None: their start weights; "unknown": no
-    worker extension to ask)."""
+    worker extension to ask; "mixed": its workers disagree)."""
     try:
       resp = self._post("/collective_rpc", {"method": "ptj_version"},
                         timeout=self.cfg.request_timeout_s)
@@ -317,7 +322,7 @@ class OpenAIEngine:
       versions = {None if v is None else int(v) for v in resp.get("results") or ["?"]}
     except (TypeError, ValueError):
       return "unknown"
-    return versions.pop() if len(versions) == 1 else "unknown"
+    return versions.pop() if len(versions) == 1 else "mixed"   # workers disagree
 
   # -- extras --------------------------------------------------------------------------------
 
@@ -427,6 +432,8 @@ class OpenAIEngine:
       try:
         return self._once(method, path, body, timeout)
       except _HTTPError as e:
+        if 400 <= e.status < 500:
+          raise RequestRejected(f"{method} {url} failed: {_server_message(e.body) or e}") from None
         if e.status not in _RETRY_STATUSES:
           raise EngineError(f"{method} {url} failed: {_server_message(e.body) or e}") from None
         last = f"HTTP {e.status}: {_server_message(e.body) or e.body[:300]}"
@@ -486,7 +493,8 @@ def write_checkpoint(weights: Any, out: pathlib.Path, dtype: Optional[str]) -> p
   return out
 
 
-__all__ = ["OpenAIEngine", "OpenAIEngineConfig", "ServerUnreachable", "write_checkpoint"]
+__all__ = ["OpenAIEngine", "OpenAIEngineConfig", "RequestRejected", "ServerUnreachable",
+           "write_checkpoint"]
 
 
 def _check(cfg: OpenAIEngineConfig, model_config, max_tokens: int) -> None:
