@@ -143,8 +143,13 @@ def test_cancelled_arun_kills_the_call(session, marker):
 @needs_bwrap
 def test_keyboard_interrupt_kills_the_call(session, marker):
   """SIGINT once the command runs (its argv carries the marker), not on a fixed clock: a call
-  that ended early would otherwise read as a swallowed interrupt, and say nothing of why."""
+  that ended early would otherwise read as a swallowed interrupt, and say nothing of why.
+  Ctrl-C as a user's process gets it: Python's default SIGINT handler, set for this test (CI
+  once saw the call run to its wall limit, i.e. the SIGINT had no effect at all: asyncio.run
+  turns SIGINT into a cancellation only where the handler is Python's default)."""
   done = threading.Event()
+  before = signal.getsignal(signal.SIGINT)
+  signal.signal(signal.SIGINT, signal.default_int_handler)
 
   def interrupt():
     while not done.is_set():
@@ -161,7 +166,9 @@ def test_keyboard_interrupt_kills_the_call(session, marker):
   finally:
     done.set()
     sender.join()
-  assert r is None, f"the call returned instead of being interrupted: {r}"
+    signal.signal(signal.SIGINT, before)
+  assert r is None, (f"the call returned instead of being interrupted: {r} (SIGINT handler "
+                     f"before this test: {before!r})")
   assert not procs_with(marker)
 
 
