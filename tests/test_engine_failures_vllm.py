@@ -5,6 +5,7 @@ serves anything: its completions are the trained weights' log-probs, not the sta
 (which is what a client-side version alone would have tagged as current). And the server does
 not outlive a trainer that is killed."""
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -137,6 +138,19 @@ class _KillingProxy:
   def arm(self):
     self.armed.set()
 
+  def arm_after_step(self, workdir, step: int) -> None:
+    """Arms from a thread once metrics.jsonl in `workdir` holds step `step`'s row."""
+    from posttrain_jax.metrics import read_metrics
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+
+    def wait_then_arm():
+      while not (path.exists()
+                 and any(r.get("policy_version") == step for r in read_metrics(path))):
+        time.sleep(0.05)
+      self.arm()
+
+    threading.Thread(target=wait_then_arm, daemon=True).start()
+
   def _accept(self):
     while True:
       try:
@@ -190,7 +204,6 @@ def test_a_run_rides_out_a_killed_server(tmp_path):
   the step's time) and every step's learner log-probs still equal the server's (a restarted
   server serving its start weights under the current version's tag would break that)."""
   from posttrain_jax.engines.vllm_server import LocalServerConfig, LocalVLLMServer
-  from posttrain_jax.metrics import read_metrics
   from posttrain_jax.trainer import Trainer
   from tests.test_trainer import tiny_run
   from tests.test_trainer_vllm import TINY
@@ -211,13 +224,7 @@ def test_a_run_rides_out_a_killed_server(tmp_path):
                          "learner": {"loss": "grpo", "optimizer": {"learning_rate": 1e-3}},
                          "batch": {"rows": 8, "seq_len": 32, "max_seqs": 8, "pack": False}})
 
-      def arm_after_step_2():
-        path = workdir / "metrics.jsonl"
-        while not (path.exists() and any(r.get("policy_version") == 2 for r in read_metrics(path))):
-          time.sleep(0.05)
-        proxy.arm()
-
-      threading.Thread(target=arm_after_step_2, daemon=True).start()
+      proxy.arm_after_step(workdir, 2)
       result = Trainer(cfg, log=lambda *_: None).run()
       proxy.close()
       assert proxy.killed_pid is not None, "the server was never killed"

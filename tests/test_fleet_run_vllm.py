@@ -4,7 +4,6 @@ the killed server's rollouts are infra_error (no reward, not 0), their task is r
 again first, every step trains, the killed server is taken out of the fleet, and the learner's
 log-probs equal the servers' at every step."""
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -61,14 +60,7 @@ def test_a_run_goes_on_on_the_other_server(tmp_path, monkeypatch):
                      eval={"every_steps": 100, "samples_per_prompt": 1, "max_tokens": 4,
                            "greedy": False})
 
-      def arm_after_step_2():
-        path = workdir / "metrics.jsonl"
-        while not (path.exists() and any(r.get("policy_version") == 2 for r in read_metrics(path))):
-          time.sleep(0.05)
-        proxy.arm()
-
-      threading.Thread(target=arm_after_step_2, daemon=True).start()
-
+      proxy.arm_after_step(workdir, 2)
       result = Trainer(cfg, log=lambda *_: None).run()
       proxy.close()
       assert proxy.killed_pid is not None, "the server was never killed"
