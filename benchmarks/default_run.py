@@ -1,0 +1,98 @@
+"""Time to accuracy of the default run: README command 1, as a user runs it, to a held-out target.
+
+    python benchmarks/default_run.py --out FILE.json [--target 0.4] [--every 25] [--budget_s 300]
+
+Runs `launch/train.py` in its own process with configs/default.py (a tiny model built locally,
+SFT warm-start on 2-digit addition, GRPO with the embedded JAX sampler), changed only in when it
+evaluates and stops: a held-out eval every `--every` GRPO steps, and `eval.target_accuracy`
+= `--target` on `--metric` (default: the default run's own metric, sampled accuracy at the policy
+temperature), so GRPO ends at the first eval that reaches the target, or after `--budget_s` s of
+training. Every figure comes from the run's metrics.jsonl: seconds of training (sampling +
+update, evals excluded: `time/train_s_total`), split into the SFT warm start and GRPO, the
+median GRPO step, and the held-out curve. Not reached within the budget: rl_s_to_target=inf.
+
+This is the row "time-to-accuracy of the default run" of benchmarks/run_all.py; the race against
+TRL's GRPOTrainer from a common warm start is benchmarks/time_to_accuracy.py. Ends with
+`RESULT rl_s_to_target=… sft_s=… rl_s_per_step=… heldout_before=… heldout_reached=… rl_steps=…`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+
+def curve(rows: list[dict], metric: str, sft_steps: int) -> dict:
+  """The figures of one finished run's metrics rows (see the module docstring)."""
+  key = f"eval/{metric}"
+  evals = [r for r in rows if key in r]
+  if not evals or evals[0]["step"] != sft_steps:
+    raise SystemExit(f"metrics.jsonl has no held-out eval at the SFT -> GRPO boundary "
+                     f"(step {sft_steps}, {key})")
+  sft = [r for r in rows if r["step"] <= sft_steps and "time/train_s_total" in r]
+  sft_s = max(r["time/train_s_total"] for r in sft)
+  rl = [r for r in rows if "reward/mean" in r]
+  points = [{"rl_step": r["step"] - sft_steps, "rl_train_s": r["time/train_s_total"] - sft_s,
+             "heldout": r[key]} for r in evals]
+  return {"sft_s": sft_s, "points": points,
+          "rl_s_per_step": statistics.median(r["time/step_s"] for r in rl) if rl else float("nan"),
+          "rl_steps": len(rl), "rl_train_s": rl[-1]["time/train_s_total"] - sft_s if rl else 0.0}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", required=True, help="the JSON summary")
+  p.add_argument("--target", type=float, default=0.4, help="held-out accuracy to reach")
+  p.add_argument("--metric", default="accuracy", choices=("accuracy", "accuracy_greedy"),
+                 help="sampled (the default run's) or greedy held-out accuracy")
+  p.add_argument("--every", type=int, default=25, help="GRPO steps between held-out evals")
+  p.add_argument("--budget_s", type=float, default=300.0, help="training seconds at most")
+  p.add_argument("--workdir", default=None, help="the run's workdir (default: a fresh temp dir)")
+  args = p.parse_args(argv)
+
+  from configs.default import get_config
+  sft_steps = get_config().sft.steps
+  workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="default_run_"))
+  cmd = [sys.executable, str(ROOT / "launch" / "train.py"), f"--workdir={workdir}", "--noresume",
+         f"--config.eval.every_steps={args.every}",
+         f"--config.eval.target_accuracy={args.target}",
+         f"--config.eval.target_metric={args.metric}",
+         f"--config.eval.sampled={args.metric == 'accuracy'}",
+         f"--config.train_budget_s={args.budget_s}"]
+  print(" ".join(cmd), flush=True)
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+  last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+  if proc.returncode != 0 or not last.startswith("RESULT "):
+    raise SystemExit(f"launch/train.py failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+  print(last)
+
+  from posttrain_jax.metrics import read_metrics
+  result = json.loads((workdir / "result.json").read_text())
+  c = curve(read_metrics(workdir / "metrics.jsonl"), args.metric, sft_steps)
+  hit = next((pt for pt in c["points"] if pt["heldout"] >= args.target), None)
+  print(f"\n{'GRPO step':>9} {'GRPO train s':>12} {'held-out ' + args.metric:>24}")
+  for pt in c["points"]:
+    print(f"{pt['rl_step']:>9} {pt['rl_train_s']:>12.1f} {pt['heldout']:>24.3f}")
+  print(f"SFT warm start: {sft_steps} steps in {c['sft_s']:.1f} s; GRPO: {c['rl_steps']} steps, "
+        f"median {c['rl_s_per_step']:.3f} s/step; stopped: {result.get('stopped', 'no')}")
+  summary = {"args": vars(args), "workdir": str(workdir), "command": cmd, **c,
+             "rl_s_to_target": hit["rl_train_s"] if hit else float("inf"),
+             "heldout_before": c["points"][0]["heldout"],
+             "heldout_reached": max(pt["heldout"] for pt in c["points"]),
+             "stopped": result.get("stopped")}
+  pathlib.Path(args.out).write_text(json.dumps(summary, indent=1))
+  print(f"RESULT rl_s_to_target={summary['rl_s_to_target']:.1f} sft_s={c['sft_s']:.1f} "
+        f"rl_s_per_step={c['rl_s_per_step']:.3f} heldout_before={summary['heldout_before']:.3f} "
+        f"heldout_reached={summary['heldout_reached']:.3f} rl_steps={c['rl_steps']}")
+
+
+if __name__ == "__main__":
+  main()
