@@ -168,6 +168,20 @@ def test_store_reads_back_what_it_wrote_and_keeps_tenants_apart(store):
   assert [f.grade for f in store.feedback("t1", "s1")] == [0.5]
 
 
+def test_a_choice_as_json_is_its_every_field_copied():
+  """Choice.to_json is hand-written (asdict's deep copy was slow): it must stay every field,
+  and a change to what it returns must not reach the choice."""
+  import dataclasses
+  c = Choice(index=1, token_ids=[5, 6], logprobs=[-0.5, -0.25], finish_reason="tool_calls",
+             version=3, text="x", message={"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})
+  d = c.to_json()
+  assert d == dataclasses.asdict(c)
+  d["token_ids"].append(7)
+  d["message"]["tool_calls"][0]["function"]["name"] = "g"
+  assert c.token_ids == [5, 6] and c.message["tool_calls"][0]["function"]["name"] == "f"
+
+
 def test_export_then_import_is_identical_and_bad_lines_name_their_field(store, tmp_path):
   _record(store, "a", "s1", [1, 2, 3], [_choice(0, [4, 5])])
   _record(store, "b", "s1", [1, 2, 3, 4, 5, 6], [_choice(0, [7], version=2)], parent_call="a",

@@ -115,13 +115,16 @@ def build_app(proxy: Proxy) -> FastAPI:
     proxy.end(status="complete", choices=choices, response=resp, prompt=prompt, **end)
     return JSONResponse(resp, headers=headers)
 
-  @app.post("/v1/chat/completions")
+  # Plain Starlette routes: FastAPI's per-request dependency and response-model machinery,
+  # which these two do not use, is skipped on the serving path.
   async def chat_completions(request: Request):
     return await _complete(request, True)
 
-  @app.post("/v1/completions")
   async def completions(request: Request):
     return await _complete(request, False)
+
+  app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+  app.add_route("/v1/completions", completions, methods=["POST"])
 
   @app.post("/v1/sessions")
   async def new_session(request: Request):

@@ -32,6 +32,7 @@ and its destination as it was.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import errno
 import json
@@ -132,7 +133,11 @@ class Choice:
   message: Optional[dict[str, Any]] = None   # the assistant message returned (chat calls)
 
   def to_json(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    # Not dataclasses.asdict: its recursive deep copy was half of recording a call's end.
+    return {"index": self.index, "token_ids": list(self.token_ids),
+            "logprobs": list(self.logprobs), "finish_reason": self.finish_reason,
+            "version": self.version, "text": self.text,
+            "message": None if self.message is None else copy.deepcopy(self.message)}
 
 
 @dataclasses.dataclass
