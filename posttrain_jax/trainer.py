@@ -57,7 +57,7 @@ from flax import nnx
 
 from posttrain_jax import batching
 from posttrain_jax.actors.episode import EpisodeContext, episode_spec
-from posttrain_jax.actors.multiturn import demonstration_trajectory, evaluate_episodes
+from posttrain_jax.actors.multiturn import demonstration_trajectory, evaluate_episodes_detail
 from posttrain_jax.actors.pool import AsyncRollouts
 from posttrain_jax.actors.rollout import SyncRollouts, draw_task, encode_messages, encode_prompt
 from posttrain_jax.byoh.online import OnlineServer
@@ -302,9 +302,12 @@ class Trainer:
       modes.append(("accuracy_greedy", 0.0, 1))
     if self._multi_turn:  # whole episodes on the held-out tasks (the env's reward)
       episode = self._episode(engine)
-      return {f"eval/{name}": _job_mean(
-          evaluate_episodes(episode, self.held_out, temp, n, seed=12345), len(self.held_out))
-              for name, temp, n in modes}
+      for name, temp, n in modes:
+        d = evaluate_episodes_detail(episode, self.held_out, temp, n, seed=12345)
+        out[f"eval/{name}"] = _job_mean(d["accuracy"], len(self.held_out))
+        for k in ("timeout_frac", "infra_error_frac"):  # why an eval reads low
+          out[f"eval/{name}/{k}"] = _job_mean(d[k], len(self.held_out))
+      return out
     prompts = [encode_prompt(self.tokenizer, t) for t in self.held_out]
     for name, temp, n in modes:
       sp = SamplingParams(max_tokens=ev.max_tokens, temperature=temp, stop_token_ids=self.stop_ids)

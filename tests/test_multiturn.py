@@ -2,11 +2,13 @@
 and the status semantics (timeouts scored, infra errors excluded, malformed calls charged)."""
 import asyncio
 import dataclasses
+import time
 
 import pytest
 
 from posttrain_jax.actors.episode import WorkItem
-from posttrain_jax.actors.multiturn import EnvEpisode, EnvEpisodeConfig, evaluate_episodes
+from posttrain_jax.actors.multiturn import (EnvEpisode, EnvEpisodeConfig, evaluate_episodes,
+                                            evaluate_episodes_detail)
 from posttrain_jax.actors.rollout import RolloutConfig
 from posttrain_jax.envs.env import Budgets, EnvInfraError, ToolEnvConfig
 from posttrain_jax.types import Status
@@ -233,6 +235,55 @@ def test_held_out_success_leaves_infra_failures_out_under_naive_scoring():
     assert [t.reward for g in trained for t in g] == ([0.0, 1.0] if scoring == "zero"
                                                        else [None, 1.0])
     assert evaluate_episodes(ep, tasks, temperature=1.0, n=2, seed=0) == 1.0
+
+
+class _BatchCostEngine(et.ScriptedEngine):
+  """Costs 4 ms a row, like a batched engine on CPU: 0.5 s for a call of 128 rows."""
+
+  def generate(self, prompts, sp, n=1, seed=None):
+    time.sleep(0.004 * len(prompts))
+    return super().generate(prompts, sp, n, seed)
+
+
+def _two_tools_then_answer(prompt, k):
+  return "The answer is 5." if prompt.count("<tool_response>") >= 2 else CALL["hermes"]
+
+
+def test_an_episodes_seconds_do_not_depend_on_how_many_share_its_batch():
+  """Issue 9: in lock-step turns every episode waited for the whole batch's generate, and that
+  wait was charged to its wall-clock budget: the same policy succeeded on 2 episodes and timed
+  out on 128 (a held-out eval is twice a training batch). Each episode now pays its own env
+  steps and its share of each generate call."""
+  tok = et.tokenizer("hermes")
+  stops = et.stop_ids(tok, "hermes")
+  engine = _BatchCostEngine(tok, _two_tools_then_answer, stops[0])
+  ep = EnvEpisode(EnvEpisodeConfig(budgets=Budgets(max_seconds=0.6)), engine, tok,
+                  RolloutConfig(group_size=1), stops)
+  one = evaluate_episodes_detail(ep, [et.calc_task(0)], temperature=1.0, n=2, seed=0)
+  many = evaluate_episodes_detail(ep, [et.calc_task(i) for i in range(64)], temperature=1.0,
+                                  n=2, seed=0)
+  assert one["accuracy"] == 1.0 and one["timeout_frac"] == 0.0
+  assert many["accuracy"] == 1.0 and many["timeout_frac"] == 0.0 and many["episodes"] == 128
+  # charged: ~3 turns x 4 ms (its share) + its tool steps, not the 3 x 0.26 s the batch took,
+  # which is over the budget
+  groups = asyncio.run(ep.run([WorkItem(i, et.calc_task(i)) for i in range(64)], seed=0))
+  t = groups[0][0]
+  assert t.status is Status.OK and t.metrics["episode_s"] > 0.6 > 0.3 > t.metrics["policy_s"]
+
+
+def test_held_out_success_scores_timeouts_even_where_training_drops_them():
+  """A naive `timeouts="drop"` run must not read its held-out success off the episodes that
+  did not time out: eval scores a timeout as the failure it is, and says how many there were."""
+  tok = et.tokenizer("hermes")
+  stops = et.stop_ids(tok, "hermes")
+  script = lambda prompt, k: CALL["hermes"]  # noqa: E731 -- calls the tool until a budget ends
+  engine = et.ScriptedEngine(tok, script, stops[0])
+  tasks = [et.calc_task(0), et.calc_task(1)]
+  ep = EnvEpisode(EnvEpisodeConfig(budgets=Budgets(max_turns=2), timeouts="drop"), engine, tok,
+                  RolloutConfig(group_size=1), stops)
+  assert asyncio.run(ep.run([WorkItem(i, t) for i, t in enumerate(tasks)], seed=0)) == [[], []]
+  d = evaluate_episodes_detail(ep, tasks, temperature=1.0, n=2, seed=0)
+  assert d == {"accuracy": 0.0, "timeout_frac": 1.0, "infra_error_frac": 0.0, "episodes": 4.0}
 
 
 def test_aborted_turn_is_infra_and_truncated_turn_follows_the_policy():

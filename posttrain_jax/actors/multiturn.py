@@ -10,7 +10,7 @@ turn run concurrently). Per episode and turn:
 
 How an episode ends decides its status (ARCHITECTURE.md):
 - the environment says done            -> `ok` with the environment's reward;
-- a budget runs out (turns, sampled tokens, wall seconds, tool calls, context length)
+- a budget runs out (turns, sampled tokens, seconds, tool calls, context length)
                                         -> `timeout`, reward = env.timeout_reward() (0): a
   failure the policy pays for; never dropped ("drop" exists only to reproduce that failure);
 - a turn hits the per-turn token limit -> `truncated`, per `rollout.truncation`;
@@ -21,6 +21,13 @@ How an episode ends decides its status (ARCHITECTURE.md):
 - the engine raising                    -> `run` raises: the rollout source retries the batch.
 Tool errors (malformed calls included) are the policy's: counted per cause and charged by the
 environment's reward.
+
+The seconds an episode is charged against `Budgets.max_seconds` are its own: the time of its
+own environment steps plus, per turn, an equal share of the batched generate call,
+dt / rows. Not the wall time since it started: in lock-step turns that also holds every other
+episode's generation and slowest tool step, so the same policy timed out on 128 episodes a batch
+and not on 2, and a held-out eval (twice a training batch) read 0.25-0.34 where the same model
+scored 0.93 alone (issue 9). The wall time is still reported (`episode_s`), beside `policy_s`.
 
 Each trajectory is one training sample (an episode whose template broke the prefix has several,
 `metrics["sample_index"]` 0, 1, …; baselines count the episode once). The environment's free
@@ -87,12 +94,18 @@ class _Run:
   reward: Optional[float] = None
   ended_by: str = ""
   error: str = ""
-  engine_s: float = 0.0
-  env_s: float = 0.0
+  engine_s: float = 0.0           # wall time of the generate calls it was part of
+  engine_share_s: float = 0.0     # its share of them: sum of dt / rows
+  env_s: float = 0.0              # its own environment steps (reset included)
   feedback: list[str] = dataclasses.field(default_factory=list)  # the env's texts, oldest first
 
   def end(self, status: Status, reward: Optional[float], why: str, error: str = "") -> None:
     self.status, self.reward, self.ended_by, self.error = status, reward, why, error
+
+  @property
+  def policy_s(self) -> float:
+    """The seconds charged to the policy (module docstring)."""
+    return self.env_s + self.engine_share_s
 
 
 class EnvEpisode:
@@ -173,7 +186,7 @@ class EnvEpisode:
     b = self.cfg.budgets
     asked = []
     for r in live:
-      if time.perf_counter() - r.t0 >= b.max_seconds:
+      if r.policy_s >= b.max_seconds:
         self._timeout(r, "seconds")
       elif len(r.prompt) + self.cfg.turn_max_tokens > self.cfg.max_context_tokens:
         self._timeout(r, "context")
@@ -194,6 +207,7 @@ class EnvEpisode:
     steps = []
     for r, comps in zip(asked, out):
       r.engine_s += dt
+      r.engine_share_s += dt / len(asked)
       steps.append(self._after_sample(r, comps[0]))
     await asyncio.gather(*(s for s in steps if s is not None))
 
@@ -236,7 +250,7 @@ class EnvEpisode:
   async def _step(self, r: _Run, parsed) -> None:
     b = self.cfg.budgets
     t = time.perf_counter()
-    left = b.max_seconds - (t - r.t0)
+    left = b.max_seconds - r.policy_s
     try:
       step = await asyncio.wait_for(r.env.step(parsed), timeout=max(left, 1e-3))
     except asyncio.TimeoutError:
@@ -281,7 +295,7 @@ class EnvEpisode:
     metrics: dict[str, Any] = {
         "turns": float(r.turns), "response_len": float(r.sampled), "draw": r.item.draw,
         "requeues": r.item.requeues, "ended_by": r.ended_by, "engine_s": r.engine_s,
-        "env_s": r.env_s, "episode_s": time.perf_counter() - r.t0,
+        "env_s": r.env_s, "policy_s": r.policy_s, "episode_s": time.perf_counter() - r.t0,
         "tool_calls": float(counts.pop("tool_calls", 0)),
         **{f"tool_errors/{k}": float(v) for k, v in counts.items()},
         **{f"stitch_breaks/{k}": float(v) for k, v in r.stitcher.breaks.items()},
@@ -348,13 +362,26 @@ def demonstration_trajectory(tokenizer, task, cfg: EnvEpisodeConfig,
 
 def evaluate_episodes(episode: "EnvEpisode", tasks, temperature: float, n: int,
                       seed: int) -> float:
-  """Mean reward of `n` episodes per held-out task at `temperature`, infra errors left out
-  whatever the training scoring: `infra_scoring="zero"` (the naive benchmark setting) would make
-  held-out success measure the tool backend's faults, not the policy."""
+  """Mean reward of `n` episodes per held-out task at `temperature` (`evaluate_episodes_detail`)."""
+  return evaluate_episodes_detail(episode, tasks, temperature, n, seed)["accuracy"]
+
+
+def evaluate_episodes_detail(episode: "EnvEpisode", tasks, temperature: float, n: int,
+                             seed: int) -> dict[str, float]:
+  """`accuracy`: the mean reward of `n` episodes per held-out task at `temperature`, whatever
+  the training scoring: infra errors are left out (`infra_scoring="zero"`, the naive benchmark
+  setting, would make it measure the tool backend's faults) and timeouts are failures
+  (`timeouts="drop"` would hide exactly the timeouts a policy learns to reach). Beside it the
+  episodes' fates, so an eval that reads low says why: `timeout_frac` and `infra_error_frac`
+  (of all episodes) and `episodes`."""
   rollout = dataclasses.replace(episode.rollout, group_size=n, temperature=temperature)
-  cfg = dataclasses.replace(episode.cfg, infra_scoring="exclude")
+  cfg = dataclasses.replace(episode.cfg, infra_scoring="exclude", timeouts="score")
   ev = EnvEpisode(cfg, episode.engine, episode.tokenizer, rollout, episode.stop_token_ids)
   groups = asyncio.run(ev.run([WorkItem(-1 - i, t) for i, t in enumerate(tasks)], seed))
-  rewards = [t.reward for g in groups for t in g
-             if t.status is not Status.INFRA_ERROR and t.metrics.get("sample_index", 0) == 0]
-  return sum(rewards) / len(rewards) if rewards else float("nan")
+  firsts = [t for g in groups for t in g if t.metrics.get("sample_index", 0) == 0]
+  rewards = [t.reward for t in firsts if t.status is not Status.INFRA_ERROR]
+  total = len(firsts) or 1
+  return {"accuracy": sum(rewards) / len(rewards) if rewards else float("nan"),
+          "timeout_frac": sum(t.status is Status.TIMEOUT for t in firsts) / total,
+          "infra_error_frac": sum(t.status is Status.INFRA_ERROR for t in firsts) / total,
+          "episodes": float(len(firsts))}

@@ -67,7 +67,8 @@ class Budgets:
   """What one episode may spend; running out is the policy's timeout (scored, never dropped)."""
   max_turns: int = 6              # assistant turns
   max_tokens: int = 512           # sampled tokens over all turns
-  max_seconds: float = 120.0      # wall seconds for the whole episode (engine + tools)
+  max_seconds: float = 120.0      # seconds of its own: its tool / env steps + its share of
+                                  # each batched generate (actors/multiturn.py)
   max_tool_calls: int = 8         # tool calls (well-formed or not)
 
   def __post_init__(self):
