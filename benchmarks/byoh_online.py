@@ -49,7 +49,7 @@ def _config(args, port: int):
   c.sft.steps = args.sft_steps
   c.rl.update(mode="traces", steps=args.steps, prompts_per_step=args.sessions_per_step,
               reference_kl=False)
-  c.rl.traces.update(wait_s=300.0, settle_s=0.0)
+  c.rl.traces.update(wait_s=300.0, settle_s=0.0, max_staleness=args.max_staleness)
   c.rl.traces.store.update(path=str(args.workdir / "traces.db"), synchronous="NORMAL")
   c.rl.traces.online.update(enabled=True, port=port)
   c.rl.advantage.estimator = "running"
@@ -126,6 +126,8 @@ def main():
   p.add_argument("--sessions_per_step", type=int, default=64)
   p.add_argument("--clients", type=int, default=8, help="concurrent harness threads")
   p.add_argument("--lr", type=float, default=1e-4)
+  p.add_argument("--max_staleness", type=int, default=4,
+                 help="sessions sampled more versions ago are not trained (counted); -1 = all")
   args = p.parse_args()
   if args.workdir.exists():
     shutil.rmtree(args.workdir)
@@ -164,6 +166,8 @@ def main():
           if "traces/sessions" in r]
   stale = [r["traces/staleness/p50"] for r in rows if r.get("traces/staleness/p50") == r.get(
       "traces/staleness/p50")]
+  trained = sum(r.get("traces/sessions", 0) for r in rows)
+  dropped = sum(r.get("traces/dropped_stale", 0) for r in rows)
   quarter = max(len(versions) // 4, 1)
   first = float(np.mean([x for v in versions[:quarter] for x in by_version[v]]))
   last = float(np.mean([x for v in versions[-quarter:] for x in by_version[v]]))
@@ -184,6 +188,8 @@ def main():
         f"latency p50 {np.percentile(lat, 50):.1f} ms, p99 {np.percentile(lat, 99):.1f} ms")
   print(f"swaps: {len(rows)}; trained staleness p50 (median over steps): "
         f"{float(np.median(stale)) if stale else float('nan'):.1f} versions; {minutes:.1f} min")
+  print(f"sessions trained: {trained:.0f}; not trained as older than {args.max_staleness} "
+        f"versions: {dropped:.0f} ({dropped / max(trained + dropped, 1):.3f})")
   summary = {"args": {k: str(v) for k, v in vars(args).items()}, "result": result,
              "calls": len(during), "failed": len(failed), "failures": failed[:10],
              "after_shutdown": after, "ungraded": ungraded, "swaps": len(rows),
@@ -191,7 +197,8 @@ def main():
              "success_first": first, "success_last": last,
              "latency_ms": {"p50": float(np.percentile(lat, 50)),
                             "p99": float(np.percentile(lat, 99))},
-             "staleness_p50": stale, "minutes": minutes}
+             "staleness_p50": stale, "sessions_trained": trained,
+             "sessions_dropped_stale": dropped, "minutes": minutes}
   pathlib.Path(args.out).write_text(json.dumps(summary, indent=1))
   print(f"RESULT heldout_before={hb:.3f} heldout_after={ha:.3f} calls={len(during)} "
         f"failed={len(failed)} swaps={len(rows)} success_first={first:.3f} "

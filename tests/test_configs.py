@@ -13,7 +13,7 @@ from posttrain_jax.trainer import Trainer
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # the distillation modes, and the older training configs beside them
 CONFIGS = ["sdpo.py", "sdpo.py:warmstart", "opsd.py", "distill_mix.py", "byoh_feedback.py",
-           "default.py", "byoh.py", "tool_math.py"]
+           "default.py", "byoh.py", "byoh.py:online", "tool_math.py"]
 
 
 def load(name: str, **over) -> RunConfig:
@@ -47,6 +47,9 @@ def test_the_modes_are_what_their_docstrings_say():
   mix = load("distill_mix.py")
   assert mix.rl.learner.loss == "sampled_distill" and mix.loss_config().rl_coef > 0
   assert mix.rl.rollout.group_size > 1 and mix.rl.teacher.context == "sdpo"
+  byoh, online = load("byoh.py"), load("byoh.py:online")
+  assert not byoh.rl.traces.online.enabled and byoh.rl.traces.max_staleness == -1
+  assert online.rl.traces.online.enabled and online.rl.traces.max_staleness == 4
   fb = load("byoh_feedback.py")
   assert fb.rl.mode == "traces" and fb.rl.traces.require == "either"
   assert fb.rl.learner.loss == "sampled_distill"
