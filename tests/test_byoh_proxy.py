@@ -7,6 +7,7 @@ ids and records every prompt it was sent, so the rebuilt samples can be compared
 engine really saw and returned.
 """
 import json
+import threading
 
 import httpx
 import openai
@@ -142,6 +143,86 @@ def test_stream_and_not_n_and_logprobs_on_the_embedded_sampler(tmp_path, sampler
       assert ch.message.content == tok.decode(body, skip_special_tokens=False)
       assert rec.version == 0
     assert c.prompt_ids == a.prompt_ids                          # the same chat, not re-rendered
+
+
+class _GatedSampler:
+  """The embedded sampler whose stream waits after its first chunk until `gate` is set: the
+  test sets it only once the client holds streamed text, which a proxy that sends the text
+  after decoding could never give it (the wait would run out instead)."""
+
+  def __init__(self, sampler):
+    self.inner, self.gate, self.released = sampler, threading.Event(), None
+    self.version = sampler.version
+
+  def generate(self, *a, **k):
+    return self.inner.generate(*a, **k)
+
+  def stream(self, *a, **k):
+    for i, part in enumerate(self.inner.stream(*a, **{**k, "chunk_tokens": 2})):
+      if i == 1:
+        self.released = self.gate.wait(timeout=20)   # False: nothing reached the client
+      yield part
+
+
+def test_a_stream_sends_text_while_the_engine_still_decodes(tmp_path, sampler):
+  gated = _GatedSampler(sampler)
+  with bt.running(gated, tmp_path / "t.db") as (url, proxy):
+    client = _client(url, "s")
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Compute 12+30."}],
+              max_tokens=12, seed=3, temperature=1.0)
+    whole = client.chat.completions.create(**kw)
+    assert whole.choices[0].finish_reason == "length"   # the gate is past the first chunk
+    pieces = []
+    for chunk in client.chat.completions.create(stream=True, **kw):
+      if chunk.choices and chunk.choices[0].delta.content:
+        pieces.append(chunk.choices[0].delta.content)
+        gated.gate.set()   # text arrived while the engine waits inside its decode
+    assert gated.released is True and len(pieces) > 1
+    assert "".join(pieces) == whole.choices[0].message.content
+    a, b = proxy.store.calls("default", "s")
+    assert a.choices[0].token_ids == b.choices[0].token_ids and b.status == "complete"
+
+
+@pytest.mark.parametrize("stop", [None, ["e"], ["mp", "ro"]])
+def test_streamed_text_joins_to_the_whole_answer_with_stop_strings_and_n(tmp_path, sampler,
+                                                                         stop):
+  """Every choice's streamed pieces join to its whole-answer content, stop strings cut both the
+  same way, and nothing past a stop string is ever sent."""
+  cut = 0
+  with bt.running(sampler, tmp_path / "t.db") as (url, proxy):
+    client = _client(url, "s")
+    for seed in range(4):
+      kw = dict(model=MODEL, messages=[{"role": "user", "content": "Compute 12+30."}],
+                max_tokens=16, seed=seed, temperature=1.0, n=3, stop=stop)
+      whole = client.chat.completions.create(**kw)
+      got = {0: "", 1: "", 2: ""}
+      for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+          got[c.index] += c.delta.content or ""
+      assert [got[i] for i in range(3)] == [c.message.content for c in whole.choices]
+      rec = proxy.store.call(whole.id, "default")   # cut by a stop string, not a stop token
+      cut += sum(c.finish_reason == "stop" and c.token_ids[-1] not in proxy.stop_ids
+                 for c in rec.choices)
+      assert not any(s in got[i] for s in stop or () for i in range(3))
+    assert proxy.counts["stream_text_mismatch"] == 0
+  assert (cut > 0) == bool(stop)   # the tiny model's text does hit these stop strings
+
+
+def test_stream_text_never_sends_what_a_stop_string_or_stop_token_takes_back():
+  """StreamText on a one-character-per-token decode: a stop string split over tokens, a stop
+  token, and a multi-byte character still incomplete (U+FFFD) each hold text back."""
+  from posttrain_jax.byoh.server import StreamText
+  dec = lambda ids: "".join("\ufffd" if i == 0 else chr(i) for i in ids)  # noqa: E731
+  st = StreamText(dec, stop_ids=(1,))
+  ids = [ord(c) for c in "xab"]
+  assert st.feed(ids, [-1.0, -2.0, -3.0], ("bc",)) == [("x", -2.0), ("a", -3.0)]  # 1 held
+  assert st.feed(ids + [ord("c"), ord("d")], [-1.0] * 5, ("bc",)) == []   # "bc": the end
+  assert st.rest("xa") == ""
+  st = StreamText(dec, stop_ids=(1,))
+  assert st.feed([ord("h"), 0], [-1.0, -2.0], ()) == [("h", -1.0)]   # waits on the U+FFFD
+  assert st.feed([ord("h"), 0, ord("i"), 1], [-1.0, -2.0, -3.0, -4.0], ()) == [
+      ("\ufffdi", -3.0)]                                            # the stop token: not sent
+  assert st.rest("\ufffdhi") is None and st.rest("h\ufffdi") == ""
 
 
 def _status(url, path, body=None, headers=None, raw=None):

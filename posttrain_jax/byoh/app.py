@@ -2,9 +2,11 @@
 
 Every error a client can cause is a 4xx with an OpenAI-style body; an unknown route is a 404 in
 the same shape; only our own failures (the engine) are 5xx. Streaming answers are server-sent
-events: a role chunk at once, then the content (a chunk per sampled token), the tool calls, a
-final chunk with the finish reasons, the usage chunk when `stream_options.include_usage`, and
-`data: [DONE]`. A stream the client leaves early records its call as incomplete. The policy
+events: a role chunk at once, then the content, the tool calls, a final chunk with the finish
+reasons, the usage chunk when `stream_options.include_usage`, and `data: [DONE]`. The content is
+sent while it is sampled where the engine streams (`stream`: the embedded sampler, a few decode
+steps at a time; server.StreamText says which text is sure to stay), else -- and when tool calls
+must first be parsed out of the whole text -- once decoded, a chunk per token. A stream the client leaves early records its call as incomplete. The policy
 version that answered is in `system_fingerprint` ("posttrain_jax-v<version>"; streams: the final
 chunk) and, for whole answers, the `X-Policy-Version` header.
 """
@@ -170,8 +172,27 @@ async def _stream(proxy: Proxy, req: api.Request, prompt, end: dict, chat: bool)
       yield api.chunk(call_id, req.model, created, [
           {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
            "finish_reason": None} for i in range(req.n)])
+    live = proxy.streams_tokens(req, chat)   # text as it is sampled, else once decoded
+    texts = [proxy.text_so_far() for _ in range(req.n)]
+
+    def piece_chunk(index: int, piece: str, lp: float) -> str:
+      if chat:
+        return api.chunk(call_id, req.model, created, [
+            {"index": index, "delta": {"content": piece}, "finish_reason": None,
+             "logprobs": api.token_logprobs([piece], [lp]) if req.logprobs else None}])
+      return "data: " + json.dumps({"id": call_id, "object": "text_completion",
+                                    "created": created, "model": req.model, "choices": [
+                                        {"index": index, "text": piece, "logprobs": None,
+                                         "finish_reason": None}]}) + "\n\n"
     try:
-      comps = await proxy.generate(req, prompt)
+      if live:
+        async for part in proxy.stream_generate(req, prompt):
+          comps = part
+          for i, c in enumerate(part):
+            for piece, lp in texts[i].feed(c.token_ids, c.logprobs, req.stop):
+              yield piece_chunk(i, piece, lp)
+      else:
+        comps = await proxy.generate(req, prompt)
     except (api.ApiError, EngineError) as e:
       err = e if isinstance(e, api.ApiError) else api.ApiError(
           503, f"the engine failed: {e}", None, "engine_error", "server_error")
@@ -182,16 +203,16 @@ async def _stream(proxy: Proxy, req: api.Request, prompt, end: dict, chat: bool)
     choices = [proxy.choice(i, c, req, call_id, chat) for i, c in enumerate(comps)]
     resp = proxy.response(call_id, req, prompt, choices, chat)
     for c, r in zip(choices, resp["choices"]):
-      for piece, lp in _pieces(proxy, c):
-        if chat:
-          delta = {"index": c.index, "delta": {"content": piece}, "finish_reason": None,
-                   "logprobs": api.token_logprobs([piece], [lp]) if req.logprobs else None}
-          yield api.chunk(call_id, req.model, created, [delta])
-        else:
-          yield "data: " + json.dumps({"id": call_id, "object": "text_completion",
-                                       "created": created, "model": req.model, "choices": [
-                                           {"index": c.index, "text": piece, "logprobs": None,
-                                            "finish_reason": None}]}) + "\n\n"
+      if live:
+        content = (c.message.get("content") if c.message is not None else c.text) or ""
+        rest = texts[c.index].rest(content)
+        if rest is None:
+          proxy.counts["stream_text_mismatch"] += 1
+        elif rest:
+          yield piece_chunk(c.index, rest, 0.0)
+      else:
+        for piece, lp in _pieces(proxy, c):
+          yield piece_chunk(c.index, piece, lp)
       if chat and c.message.get("tool_calls"):
         calls = [dict(tc, index=k) for k, tc in enumerate(c.message["tool_calls"])]
         yield api.chunk(call_id, req.model, created, [

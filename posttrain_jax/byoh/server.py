@@ -32,6 +32,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import threading
 import time
 import uuid
 from typing import Any, Optional
@@ -196,6 +197,53 @@ class Proxy:
       self.counts["aborted_retries"] += 1
     raise EngineError("the engine aborted the request 3 times")
 
+  def streams_tokens(self, req: api.Request, chat: bool) -> bool:
+    """Whether a streamed call can send text as it is sampled: the engine streams (`stream`,
+    the embedded sampler) and no tool call has to be parsed out of the whole text first."""
+    parse_tools = chat and req.tools and req.tool_choice == "auto" and self.tool_format
+    return callable(getattr(self.engine, "stream", None)) and not parse_tools
+
+  async def stream_generate(self, req: api.Request, prompt: Prompt):
+    """The call's completions as they grow (the engine's `stream`, on a worker thread); the
+    last item is final. Leaving the loop early stops the engine's decode."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    cancel = threading.Event()
+
+    def put(item) -> None:
+      try:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+      except RuntimeError:  # the loop is gone (the server stopped)
+        cancel.set()
+
+    def work() -> None:
+      try:
+        for part in self.engine.stream(prompt.ids, req.sampling, req.n, req.seed,
+                                       cancelled=cancel):
+          put(("part", part))
+        put(("end", None))
+      except BaseException as e:  # noqa: BLE001 -- handed to the event loop below
+        put(("error", e))
+
+    self._pool.submit(work)
+    last = None
+    try:
+      while True:
+        kind, item = await queue.get()
+        if kind == "part":
+          last = item
+          yield item
+        elif kind == "end":
+          break
+        elif isinstance(item, PromptTooLongError):
+          raise api.ApiError(400, str(item), "messages", "context_length_exceeded") from None
+        else:
+          raise EngineError(f"{type(item).__name__}: {item}") from item
+      if last is None or any(c.finish_reason in ("error", "abort", "") for c in last):
+        raise EngineError("the engine's stream ended without a whole answer")
+    finally:
+      cancel.set()
+
   def choice(self, i: int, comp, req: api.Request, call_id: str, chat: bool) -> Choice:
     """One engine completion as the client's choice (stop strings cut, tool calls parsed)."""
     ids, lps, finish = list(comp.token_ids), list(comp.logprobs), comp.finish_reason
@@ -261,6 +309,9 @@ class Proxy:
       self.history(tenant, session).append(
           Turn(call_id, kind, messages, tools, prompt.text, prompt.ids, list(choices)))
 
+  def text_so_far(self) -> "StreamText":
+    return StreamText(self.builder.decode, self.stop_ids)
+
   # -- feedback ---------------------------------------------------------------------------------
 
   def feedback(self, tenant: str, session: str, body: Any, call_id: Optional[str],
@@ -318,3 +369,44 @@ class Proxy:
     trajs, stats = rebuild_session(session, self.store.calls(tenant, session),
                                    self.store.feedback(tenant, session))
     return {"samples": [t.to_dict() for t in trajs], "stats": dict(stats)}
+
+
+class StreamText:
+  """One choice's text as its tokens arrive: `feed` returns the new (text, log-prob) pieces
+  that are sure to begin the final content -- the stop token's text is never sent, a piece
+  ending inside a multi-byte character waits for the rest, and the last len(longest stop
+  string) - 1 characters wait, so a stop string completed later still cuts the content
+  before anything already sent (`Proxy.choice` cuts the whole text the same way)."""
+
+  def __init__(self, decode, stop_ids: tuple[int, ...]):
+    self.decode, self.stop_ids = decode, set(stop_ids)
+    self.ids: list[int] = []
+    self.sent = ""
+    self.ended = False              # a stop token was sampled: nothing after it is content
+
+  def feed(self, token_ids: list[int], logprobs: list[float],
+           stops: tuple[str, ...]) -> list[tuple[str, float]]:
+    hold = max((len(s) for s in stops), default=1) - 1
+    out = []
+    for t in range(len(self.ids), len(token_ids)):
+      if self.ended or token_ids[t] in self.stop_ids:
+        self.ended = True
+        self.ids.append(token_ids[t])
+        continue
+      self.ids.append(token_ids[t])
+      text = self.decode(self.ids)
+      if any(s in text for s in stops):
+        self.ended = True           # the content ends before it: `rest` sends what is left
+        continue
+      ready = text[:len(text) - hold] if hold else text
+      if ready.endswith("\ufffd") or not ready.startswith(self.sent):
+        continue
+      if len(ready) > len(self.sent):
+        out.append((ready[len(self.sent):], float(logprobs[t])))
+        self.sent = ready
+    return out
+
+  def rest(self, content: str) -> Optional[str]:
+    """What of the final `content` is still to send; None if what was sent does not begin it
+    (a tokenizer whose text of a prefix is not a prefix of the text: counted by the caller)."""
+    return content[len(self.sent):] if content.startswith(self.sent) else None

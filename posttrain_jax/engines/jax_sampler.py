@@ -1,8 +1,9 @@
 """Embedded sampler: batched, jitted decoding with a KV cache on the learner's own params.
 
 Prompts are left-padded to a bucketed length P (padding has segment id 0, so it is never
-attended) and replicated n times; one jitted call runs the prefill and a `while_loop` of
-single-token steps until every row has sampled a stop token or `max_tokens` tokens.
+attended) and replicated n times; one jitted call runs the prefill, a second a `while_loop` of
+single-token steps until every row has sampled a stop token or `max_tokens` tokens (`stream`:
+the same loop in calls of a few steps, for a server that streams tokens as they are sampled).
 
 Returned log-probs: for temperature tau > 0, `log softmax(z / tau)[y]` -- the temperature-
 scaled distribution *before* top-k / top-p truncation, which is exactly what the learner
@@ -26,7 +27,7 @@ import dataclasses
 import functools
 import math
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -75,25 +76,25 @@ def _sample(logits_bv, rng, sp: SamplingParams):
   return ids, jnp.take_along_axis(logp, ids[:, None], -1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sp"))
-def _generate(graphdef, params, prompt_bp, seg_bp, rng, *, sp: SamplingParams):
-  model: Decoder = nnx.merge(graphdef, params)
+def _prefill(model: Decoder, prompt_bp, seg_bp, rng, sp: SamplingParams):
+  """The decode state after the prompt: (step, cache, logits, tokens, logps, lengths, done,
+  rng, pos)."""
   b, p = prompt_bp.shape
   cache = init_cache(model.cfg, b, p + sp.max_tokens)
   pos_bp = jnp.maximum(jnp.cumsum(seg_bp, axis=1) - 1, 0)
   hidden, cache = model(prompt_bp, pos_bp, seg_bp, cache)
-  logits = model.logits(hidden[:, -1])
-  stops = jnp.asarray(sp.stop_token_ids or (-1,), jnp.int32)
-  next_pos = jnp.sum(seg_bp, axis=1)
+  return (jnp.zeros((), jnp.int32), cache, model.logits(hidden[:, -1]),
+          jnp.zeros((b, sp.max_tokens), jnp.int32), jnp.zeros((b, sp.max_tokens), jnp.float32),
+          jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), rng, jnp.sum(seg_bp, axis=1))
 
-  tokens = jnp.zeros((b, sp.max_tokens), jnp.int32)
-  logps = jnp.zeros((b, sp.max_tokens), jnp.float32)
-  done = jnp.zeros((b,), bool)
-  lengths = jnp.zeros((b,), jnp.int32)
+
+def _decode(model: Decoder, carry, until, sp: SamplingParams):
+  """Single-token steps from `carry` until step `until` or every row has stopped."""
+  stops = jnp.asarray(sp.stop_token_ids or (-1,), jnp.int32)
 
   def cond(carry):
     step, _, _, _, _, _, done, _, _ = carry
-    return (step < sp.max_tokens) & ~jnp.all(done)
+    return (step < until) & ~jnp.all(done)
 
   def body(carry):
     step, cache, logits, tokens, logps, lengths, done, rng, pos = carry
@@ -108,9 +109,36 @@ def _generate(graphdef, params, prompt_bp, seg_bp, rng, *, sp: SamplingParams):
     return (step + 1, cache, model.logits(hidden[:, 0]), tokens, logps, lengths, done, rng,
             pos + 1)
 
-  carry = (jnp.zeros((), jnp.int32), cache, logits, tokens, logps, lengths, done, rng, next_pos)
-  _, _, _, tokens, logps, lengths, done, _, _ = jax.lax.while_loop(cond, body, carry)
-  return tokens, logps, lengths, done
+  return jax.lax.while_loop(cond, body, carry)
+
+
+# Two programs: the prefill, then the steps until a given step. `generate` runs the steps to
+# the end in one call; `stream` in calls of a few steps, reading the tokens between them. Both
+# run the same programs on the same random stream, so a stream samples what a whole answer does.
+# The decode state (KV cache included) stays on the device between the calls.
+@functools.partial(jax.jit, static_argnames=("graphdef", "sp"))
+def _start(graphdef: "_Static", params, prompt_bp, seg_bp, rng, *, sp: SamplingParams):
+  return _prefill(nnx.merge(graphdef.value, params), prompt_bp, seg_bp, rng, sp)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sp"), donate_argnums=(2,))
+def _continue(graphdef: "_Static", params, carry, until, *, sp: SamplingParams):
+  return _decode(nnx.merge(graphdef.value, params), carry, until, sp)
+
+
+class _Static:
+  """A graphdef as a jit static argument, hashed once: hashing an nnx GraphDef walks the whole
+  module tree (~0.25 ms a call on the tiny model, more than a decode step)."""
+
+  def __init__(self, value):
+    self.value, self._hash = value, hash(value)
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other) -> bool:
+    return self is other or (isinstance(other, _Static) and self._hash == other._hash
+                             and self.value == other.value)
 
 
 class JaxSampler:
@@ -119,6 +147,7 @@ class JaxSampler:
   def __init__(self, model: Decoder, cfg: JaxSamplerConfig = JaxSamplerConfig(), version: int = 0):
     self.cfg = cfg
     self._graphdef, params = nnx.split(model, nnx.Param)
+    self._static = _Static(self._graphdef)
     self._params = params
     self._version = version
     self._lock = threading.Lock()
@@ -137,21 +166,16 @@ class JaxSampler:
     with self._lock:  # a generate() already running keeps the pair it read
       self._params, self._version = weights, version
 
-  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, n: int = 1,
-               seed: Optional[int] = None) -> list[list[Completion]]:
-    """G = n completions of each prompt. Several processes: a collective (module docstring)."""
+  def _check(self, prompts: Sequence[Sequence[int]], seed: Optional[int]) -> int:
     for i, prompt in enumerate(prompts):
       if not 0 < len(prompt) <= self.cfg.max_prompt_len:
         raise PromptTooLongError(i, f"prompt {i} has {len(prompt)} tokens; the sampler accepts "
                                  f"1..{self.cfg.max_prompt_len} (JaxSamplerConfig.max_prompt_len)")
-    seed = int(np.random.SeedSequence(seed).generate_state(1)[0] if seed is not None
+    return int(np.random.SeedSequence(seed).generate_state(1)[0] if seed is not None
                else np.random.randint(2**31))
-    mine = list(range(len(prompts)))
-    if jax.process_count() > 1:
-      prompts, mine, seed = _job_prompts(prompts, n, seed)
-    if not prompts:
-      return []
-    rows = [list(p) for p in prompts for _ in range(n)]
+
+  def _layout(self, rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded ids and segment ids of `rows`, bucketed (module docstring)."""
     b = _round_up(len(rows), self.cfg.batch_bucket)
     p = _round_up(max(len(r) for r in rows), self.cfg.prompt_bucket)
     ids = np.full((b, p), self.cfg.pad_id, np.int32)
@@ -160,11 +184,25 @@ class JaxSampler:
       ids[r, p - len(row):] = row
       seg[r, p - len(row):] = 1
     seg[len(rows):, -1] = 1  # filler rows decode a pad token; their output is dropped
+    return ids, seg
+
+  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, n: int = 1,
+               seed: Optional[int] = None) -> list[list[Completion]]:
+    """G = n completions of each prompt. Several processes: a collective (module docstring)."""
+    seed = self._check(prompts, seed)
+    mine = list(range(len(prompts)))
+    if jax.process_count() > 1:
+      prompts, mine, seed = _job_prompts(prompts, n, seed)
+    if not prompts:
+      return []
+    rows = [list(p) for p in prompts for _ in range(n)]
+    ids, seg = self._layout(rows)
     # Params and version are read together once: weights installed by another thread while this
     # call decodes do not relabel its tokens with the newer version.
     params, version = self._snapshot()
-    tokens, logps, lengths, done = _fetch(_generate(self._graphdef, params,
-                                                    *_inputs(params, ids, seg, seed), sp=sampling))
+    carry = _start(self._static, params, *_inputs(params, ids, seg, seed), sp=sampling)
+    carry = _continue(self._static, params, carry, sampling.max_tokens, sp=sampling)
+    tokens, logps, lengths, done = _fetch(carry[3:7])
     out = []
     for r in range(len(rows)):
       n_tok = int(lengths[r])
@@ -173,6 +211,34 @@ class JaxSampler:
                             finish_reason="stop" if done[r] else "length",
                             version=version))
     return [out[i * n:(i + 1) * n] for i in mine]
+
+  def stream(self, prompt: Sequence[int], sampling: SamplingParams, n: int = 1,
+             seed: Optional[int] = None, chunk_tokens: int = 4,
+             cancelled: Optional[threading.Event] = None) -> Iterator[list[Completion]]:
+    """The n completions of one prompt as they grow: after every `chunk_tokens` decode steps,
+    the completions so far (finish_reason "" while a row still decodes); the last item is
+    final, and it is what `generate([prompt], sampling, n, seed)[0]` returns -- the same
+    programs' steps, the same random stream (tests/test_jax_sampler_stream.py). Stops early
+    (nothing more is yielded) once `cancelled` is set. One process only."""
+    if jax.process_count() > 1:
+      raise NotImplementedError("JaxSampler.stream runs in one process (the proxy's)")
+    seed = self._check([prompt], seed)
+    rows = [list(prompt)] * n
+    ids, seg = self._layout(rows)
+    params, version = self._snapshot()
+    carry = _start(self._static, params, *_inputs(params, ids, seg, seed), sp=sampling)
+    step = 0
+    while True:
+      step = min(step + max(chunk_tokens, 1), sampling.max_tokens)
+      carry = _continue(self._static, params, carry, step, sp=sampling)
+      tokens, logps, lengths, done = jax.device_get(carry[3:7])
+      last = step >= sampling.max_tokens or bool(done[:n].all())
+      yield [Completion(token_ids=tokens[r, :int(lengths[r])].tolist(),
+                        logprobs=logps[r, :int(lengths[r])].astype(float).tolist(),
+                        finish_reason=("stop" if done[r] else "length") if last else
+                        ("stop" if done[r] else ""), version=version) for r in range(n)]
+      if last or (cancelled is not None and cancelled.is_set()):
+        return
 
 
 def _job_prompts(prompts, n: int, seed: int) -> tuple[list[list[int]], list[int], int]:
@@ -190,7 +256,7 @@ def _job_prompts(prompts, n: int, seed: int) -> tuple[list[list[int]], list[int]
 
 
 def _inputs(params, ids, seg, seed: int):
-  """(prompt ids, segment ids, PRNG key) for `_generate`; several processes: laid out
+  """(prompt ids, segment ids, PRNG key) for `_start`; several processes: laid out
   replicated over the params' mesh (this process's arrays alone cannot enter a job's program)."""
   rng = jax.random.key(seed)
   if jax.process_count() == 1:
