@@ -37,7 +37,8 @@ def build_proxy(cfg):
   spec = engine_spec(cfg.engine)
   engine_cfg = cfg.engine_config if cfg.engine_config is not None else spec.config_cls()
   if spec.check is not None:
-    spec.check(engine_cfg, model_cfg, cfg.proxy.max_tokens_limit)
+    spec.check(engine_cfg, model_cfg, cfg.proxy.max_tokens_limit, field="config.engine_config",
+               serving=True)
   model = hf_io.load_hf_model(model_dir)
   graphdef, _ = nnx.split(model, nnx.Param)
   ctx = EngineContext(model_dir=model_dir, model_config=model_cfg, model=model,

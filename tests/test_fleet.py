@@ -34,3 +34,16 @@ def test_the_run_config_check_names_the_field():
     spec.check(FleetConfig(urls=("http://127.0.0.1:8000",)), None, 8)
   spec.check(FleetConfig(urls=("http://127.0.0.1:8000",),
                          server=OpenAIEngineConfig(weights_dir="/tmp/w")), None, 8)
+
+
+def test_behind_the_proxy_the_server_engines_need_no_weights_dir_and_name_serve_fields():
+  """launch/serve.py only serves: a remote server or a fleet syncs no weights there, and an
+  error names serve.py's own field (config.engine_config), not the training run's."""
+  for name, cfg in [("openai", OpenAIEngineConfig()),
+                    ("fleet", FleetConfig(urls=("http://127.0.0.1:8000",)))]:
+    with pytest.raises(ConfigTypeError, match="weights_dir"):
+      engine_spec(name).check(cfg, None, 8)
+    engine_spec(name).check(cfg, None, 8, field="config.engine_config", serving=True)
+  with pytest.raises(ConfigTypeError, match=r"^config\.engine_config\.urls"):
+    engine_spec("fleet").check(FleetConfig(), None, 8, field="config.engine_config",
+                               serving=True)

@@ -391,18 +391,20 @@ class FleetEngine:
                      for m in self._members)
 
 
-def _check(cfg: FleetConfig, model_config, max_tokens: int) -> None:
-  """Before the run: servers listed (or placed by Ray), and a weights directory they all read."""
+def _check(cfg: FleetConfig, model_config, max_tokens: int, *,
+           field: str = "config.rl.engine_config", serving: bool = False) -> None:
+  """Before the run: servers listed (or placed by Ray), and a weights directory they all read
+  (unless the fleet only serves, behind the proxy)."""
   del model_config, max_tokens
   from posttrain_jax.config_io import ConfigTypeError
   if not cfg.urls and cfg.ray.servers < 1:
-    raise ConfigTypeError("config.rl.engine_config.urls: rl.engine='fleet' needs the servers' "
-                          "URLs, or rl.engine_config.ray.servers > 0 to have Ray place them")
+    raise ConfigTypeError(f"{field}.urls: the fleet engine needs the servers' "
+                          f"URLs, or {field}.ray.servers > 0 to have Ray place them")
   if cfg.urls and cfg.ray.servers > 0:
-    raise ConfigTypeError("config.rl.engine_config: set urls (servers you run) or ray.servers "
+    raise ConfigTypeError(f"{field}: set urls (servers you run) or ray.servers "
                           "(servers Ray places), not both")
-  if not cfg.server.weights_dir:
-    raise ConfigTypeError("config.rl.engine_config.server.weights_dir: rl.engine='fleet' needs "
+  if not serving and not cfg.server.weights_dir:
+    raise ConfigTypeError(f"{field}.server.weights_dir: rl.engine='fleet' needs "
                           "a directory this process and every server read, for weight sync")
 
 

@@ -497,12 +497,14 @@ __all__ = ["OpenAIEngine", "OpenAIEngineConfig", "RequestRejected", "ServerUnrea
            "write_checkpoint"]
 
 
-def _check(cfg: OpenAIEngineConfig, model_config, max_tokens: int) -> None:
-  """Before the run: a weights directory the server can read (it must follow training)."""
+def _check(cfg: OpenAIEngineConfig, model_config, max_tokens: int, *,
+           field: str = "config.rl.engine_config", serving: bool = False) -> None:
+  """Before the run: a weights directory the server can read (it must follow training; a
+  proxy that only serves syncs no weights)."""
   del model_config, max_tokens
   from posttrain_jax.config_io import ConfigTypeError
-  if not cfg.weights_dir:
-    raise ConfigTypeError("config.rl.engine_config.weights_dir: rl.engine='openai' needs a "
+  if not serving and not cfg.weights_dir:
+    raise ConfigTypeError(f"{field}.weights_dir: rl.engine='openai' needs a "
                           "directory both this process and the server read, for weight sync")
 
 

