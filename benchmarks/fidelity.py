@@ -35,8 +35,10 @@ change = mean of the last quarter of the RL steps ÷ mean of the first quarter (
 convention). The audit runs on each run's metrics.jsonl rows as the trainer wrote them
 ("flagged"), and once more on rows whose status/timeout_frac* count the dropped timeouts
 ("flagged if dropped timeouts were logged"). Held-out success (eval/accuracy, every 8 steps,
-64 tasks × 2 samples) leaves infra failures out in every run (actors/multiturn.py
-evaluate_episodes), so the audit can tell a shortening that only dodges faults from a gain.
+64 tasks × 2 samples) leaves infra failures out in every run and scores timeouts as failures
+even where training drops them (actors/multiturn.py evaluate_episodes_detail; before
+2026-12-04 it dropped them under timeouts="drop"), so the audit can tell a shortening that
+only dodges faults from a gain.
 One PNG per case (naive vs default over RL steps). Ends with one RESULT line.
 
     python benchmarks/fidelity.py --out fidelity.json [--workdir DIR] [--base DIR] [--steps 32]
@@ -46,7 +48,8 @@ Measured on the 2-core dev box, 2026-12-01, --base = configs/tool_math.py's 700-
     naive    0.090 → 0.449 (×5.00), flagged filter_growing (dropped_timeout 0.09 → 0.45);
              with the dropped ones logged as timeouts: timeout_rising as well
     default  0.090 → 0.061 (×0.67), no flag
-    Held-out success 0.00 → 0.77 (naive) / 0.71 (default): both learn the tool. The runs are
+    Held-out success 0.00 → 0.77 (naive: read with its timeouts dropped, the eval of the
+    time; scored, it would be lower) / 0.71 (default): both learn the tool. The runs are
     alike for ~10 steps, while the think share is small: a failing path is pushed down in
     proportion to how often it is sampled, so the rare think gains at first under "score" too
     (to 0.30 at step 17); from there "score" drives it to 0.02 and "drop" holds it near 0.5.

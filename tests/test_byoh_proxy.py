@@ -210,19 +210,41 @@ def test_streamed_text_joins_to_the_whole_answer_with_stop_strings_and_n(tmp_pat
 
 def test_stream_text_never_sends_what_a_stop_string_or_stop_token_takes_back():
   """StreamText on a one-character-per-token decode: a stop string split over tokens, a stop
-  token, and a multi-byte character still incomplete (U+FFFD) each hold text back."""
+  token, and a multi-byte character still incomplete (U+FFFD) each hold text back; the tokens
+  kept are those up to the one that ended the answer, each with its log-prob."""
   from posttrain_jax.byoh.server import StreamText
   dec = lambda ids: "".join("\ufffd" if i == 0 else chr(i) for i in ids)  # noqa: E731
   st = StreamText(dec, stop_ids=(1,))
   ids = [ord(c) for c in "xab"]
-  assert st.feed(ids, [-1.0, -2.0, -3.0], ("bc",)) == [("x", -2.0), ("a", -3.0)]  # 1 held
-  assert st.feed(ids + [ord("c"), ord("d")], [-1.0] * 5, ("bc",)) == []   # "bc": the end
+  assert st.feed(ids, [-1.0, -2.0, -3.0], ("bc",)) == (
+      "xa", [(ord("x"), -1.0), (ord("a"), -2.0), (ord("b"), -3.0)])   # "b" held back
+  assert st.feed(ids + [ord("c"), ord("d")], [-1.0, -2.0, -3.0, -4.0, -5.0], ("bc",)) == (
+      "", [(ord("c"), -4.0)])          # "c" completes the stop string; "d" is not kept
   assert st.rest("xa") == ""
   st = StreamText(dec, stop_ids=(1,))
-  assert st.feed([ord("h"), 0], [-1.0, -2.0], ()) == [("h", -1.0)]   # waits on the U+FFFD
-  assert st.feed([ord("h"), 0, ord("i"), 1], [-1.0, -2.0, -3.0, -4.0], ()) == [
-      ("\ufffdi", -3.0)]                                            # the stop token: not sent
-  assert st.rest("\ufffdhi") is None and st.rest("h\ufffdi") == ""
+  assert st.feed([ord("h"), 0], [-1.0, -2.0], ()) == ("h", [(ord("h"), -1.0), (0, -2.0)])
+  assert st.feed([ord("h"), 0, ord("i"), 1], [-1.0, -2.0, -3.0, -4.0], ()) == (
+      "", [(ord("i"), -3.0), (1, -4.0)])   # the stop token: kept, its text never sent
+  assert st.rest("\ufffdhi") is None and st.rest("h\ufffdi") == "\ufffdi"   # the end sends it
+
+
+def test_streamed_logprobs_are_the_whole_answers_token_for_token(tmp_path, sampler):
+  """With logprobs, a stream's per-token entries joined are the whole answer's (the stop
+  token's included), with and without stop strings, held-back text or not."""
+  with bt.running(sampler, tmp_path / "t.db") as (url, proxy):
+    client = _client(url, "s")
+    for stop in (None, ["ro"], ["e", "mp"]):
+      for seed in range(3):
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "Compute 12+30."}],
+                  max_tokens=16, seed=seed, temperature=1.0, n=2, stop=stop, logprobs=True)
+        whole = client.chat.completions.create(**kw)
+        got = {0: [], 1: []}
+        for chunk in client.chat.completions.create(stream=True, **kw):
+          for c in chunk.choices:
+            if c.logprobs is not None:
+              got[c.index] += [(t.token, t.logprob) for t in c.logprobs.content]
+        for ch in whole.choices:
+          assert got[ch.index] == [(t.token, t.logprob) for t in ch.logprobs.content]
 
 
 def _status(url, path, body=None, headers=None, raw=None):

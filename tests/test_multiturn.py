@@ -271,6 +271,23 @@ def test_an_episodes_seconds_do_not_depend_on_how_many_share_its_batch():
   assert t.status is Status.OK and t.metrics["episode_s"] > 0.6 > 0.3 > t.metrics["policy_s"]
 
 
+def test_an_episodes_env_time_is_its_own_steps_not_the_turns_other_steps():
+  """An env step with synchronous work (a sandbox spawn, a grader) runs on the event loop: the
+  turn's 64 steps run one after another, and each is charged only its own ~5 ms."""
+  class Busy(et.CalcEnv):
+    async def call_add(self, a, b):
+      time.sleep(0.005)
+      return str(a + b)
+  from posttrain_jax.envs.env import ENVS, register_env
+  if "test_busy" not in ENVS.names():
+    register_env("test_busy", et.CalcConfig)(Busy)
+  _, _, _, groups = run_episode("hermes", "hermes", _two_tools_then_answer,
+                                tasks=[et.calc_task(i, env="test_busy") for i in range(64)])
+  env_s = [g[0].metrics["env_s"] for g in groups]
+  assert all(g[0].status is Status.OK for g in groups)
+  assert max(env_s) < 0.1 < 64 * 2 * 0.005   # own: 2 tool calls x 5 ms (+ slack)
+
+
 def test_held_out_success_scores_timeouts_even_where_training_drops_them():
   """A naive `timeouts="drop"` run must not read its held-out success off the episodes that
   did not time out: eval scores a timeout as the failure it is, and says how many there were."""

@@ -24,10 +24,13 @@ environment's reward.
 
 The seconds an episode is charged against `Budgets.max_seconds` are its own: the time of its
 own environment steps plus, per turn, an equal share of the batched generate call,
-dt / rows. Not the wall time since it started: in lock-step turns that also holds every other
-episode's generation and slowest tool step, so the same policy timed out on 128 episodes a batch
-and not on 2, and a held-out eval (twice a training batch) read 0.25-0.34 where the same model
-scored 0.93 alone (issue 9). The wall time is still reported (`episode_s`), beside `policy_s`.
+dt / rows. Not the wall time since it started (the issue's "wall seconds"; a deliberate
+departure): in lock-step turns that also holds every other episode's generation and slowest tool
+step, so the same policy timed out on 128 episodes a batch and not on 2 (tests/test_multiturn.py)
+-- the likely cause, not re-measured, of a held-out eval (twice a training batch) that read
+0.25-0.34 where the same model scored 0.93 alone (issue 9). An env step is timed inside its own
+task, so the other steps' synchronous work on the event loop is not its time either. The wall
+time is still reported (`episode_s`), beside `policy_s`.
 
 Each trajectory is one training sample (an episode whose template broke the prefix has several,
 `metrics["sample_index"]` 0, 1, …; baselines count the episode once). The environment's free
@@ -249,18 +252,22 @@ class EnvEpisode:
 
   async def _step(self, r: _Run, parsed) -> None:
     b = self.cfg.budgets
-    t = time.perf_counter()
     left = b.max_seconds - r.policy_s
+
+    async def timed():  # timed inside its own task: not the wait for the turn's other steps
+      t = time.perf_counter()
+      try:
+        return await r.env.step(parsed)
+      finally:
+        r.env_s += time.perf_counter() - t
     try:
-      step = await asyncio.wait_for(r.env.step(parsed), timeout=max(left, 1e-3))
+      step = await asyncio.wait_for(timed(), timeout=max(left, 1e-3))
     except asyncio.TimeoutError:
       self._timeout(r, "seconds")
       return
     except Exception as e:  # noqa: BLE001 -- the environment's failure is ours
       self._infra(r, e)
       return
-    finally:
-      r.env_s += time.perf_counter() - t
     r.chat += step.messages
     r.messages += step.messages
     if isinstance(step.info.get("feedback"), str) and step.info["feedback"]:

@@ -175,11 +175,19 @@ async def _stream(proxy: Proxy, req: api.Request, prompt, end: dict, chat: bool)
     live = proxy.streams_tokens(req, chat)   # text as it is sampled, else once decoded
     texts = [proxy.text_so_far() for _ in range(req.n)]
 
-    def piece_chunk(index: int, piece: str, lp: float) -> str:
+    def piece_chunk(index: int, piece: str, kept: list[tuple[int, float]]) -> Optional[str]:
+      """A content delta and the log-probs of the sampled tokens it brings (per token, as the
+      whole answer gives them: their concatenation over the stream is the same list)."""
+      lp = None
+      if req.logprobs and kept:
+        lp = api.token_logprobs([proxy.builder.decode([t]) for t, _ in kept],
+                               [x for _, x in kept])
+      if not piece and lp is None:
+        return None
       if chat:
         return api.chunk(call_id, req.model, created, [
             {"index": index, "delta": {"content": piece}, "finish_reason": None,
-             "logprobs": api.token_logprobs([piece], [lp]) if req.logprobs else None}])
+             "logprobs": lp}])
       return "data: " + json.dumps({"id": call_id, "object": "text_completion",
                                     "created": created, "model": req.model, "choices": [
                                         {"index": index, "text": piece, "logprobs": None,
@@ -189,8 +197,9 @@ async def _stream(proxy: Proxy, req: api.Request, prompt, end: dict, chat: bool)
         async for part in proxy.stream_generate(req, prompt):
           comps = part
           for i, c in enumerate(part):
-            for piece, lp in texts[i].feed(c.token_ids, c.logprobs, req.stop):
-              yield piece_chunk(i, piece, lp)
+            out = piece_chunk(i, *texts[i].feed(c.token_ids, c.logprobs, req.stop))
+            if out is not None:
+              yield out
       else:
         comps = await proxy.generate(req, prompt)
     except (api.ApiError, EngineError) as e:
@@ -202,17 +211,20 @@ async def _stream(proxy: Proxy, req: api.Request, prompt, end: dict, chat: bool)
       return
     choices = [proxy.choice(i, c, req, call_id, chat) for i, c in enumerate(comps)]
     resp = proxy.response(call_id, req, prompt, choices, chat)
-    for c, r in zip(choices, resp["choices"]):
-      if live:
-        content = (c.message.get("content") if c.message is not None else c.text) or ""
+    for c, comp in zip(choices, comps):
+      content = (c.message.get("content") if c.message is not None else c.text) or ""
+      if chat and c.message.get("tool_calls"):   # parsed from the whole text: sent whole
+        out = piece_chunk(c.index, content, list(zip(c.token_ids, c.logprobs)))
+      else:
+        piece, kept = ("", []) if live else texts[c.index].feed(comp.token_ids, comp.logprobs,
+                                                               req.stop)
         rest = texts[c.index].rest(content)
         if rest is None:
           proxy.counts["stream_text_mismatch"] += 1
-        elif rest:
-          yield piece_chunk(c.index, rest, 0.0)
-      else:
-        for piece, lp in _pieces(proxy, c):
-          yield piece_chunk(c.index, piece, lp)
+          rest = ""
+        out = piece_chunk(c.index, piece + rest, kept)
+      if out is not None:
+        yield out
       if chat and c.message.get("tool_calls"):
         calls = [dict(tc, index=k) for k, tc in enumerate(c.message["tool_calls"])]
         yield api.chunk(call_id, req.model, created, [
@@ -236,29 +248,6 @@ async def _stream(proxy: Proxy, req: api.Request, prompt, end: dict, chat: bool)
   finally:
     if not ended:  # the client left (or the proxy is stopping) before the stream ended
       proxy.end(status="incomplete", reason="client_disconnected", **end)
-
-
-def _pieces(proxy: Proxy, c) -> list[tuple[str, float]]:
-  """The choice's content as one delta per sampled token (their texts join to the content)."""
-  content = c.message.get("content") if c.message is not None else c.text
-  if not content:
-    return []
-  if c.message is not None and c.message.get("tool_calls"):
-    return [(content, 0.0)]
-  out, prev = [], ""
-  for t in range(1, len(c.token_ids) + 1):
-    text = proxy.builder.decode(c.token_ids[:t])
-    if len(text) >= len(content):
-      piece = content[len(prev):]
-      if piece:
-        out.append((piece, c.logprobs[t - 1]))
-      return out
-    if text.startswith(prev) and len(text) > len(prev):
-      out.append((text[len(prev):], c.logprobs[t - 1]))
-      prev = text
-  if content[len(prev):]:
-    out.append((content[len(prev):], 0.0))
-  return out
 
 
 def serve(proxy: Proxy, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",

@@ -205,40 +205,51 @@ class Proxy:
 
   async def stream_generate(self, req: api.Request, prompt: Prompt):
     """The call's completions as they grow (the engine's `stream`, on a worker thread); the
-    last item is final. Leaving the loop early stops the engine's decode."""
+    last item is final. Each part holds everything so far, so only the newest is kept: a
+    client that stops reading costs one part of memory, not one per chunk. Leaving the loop
+    early stops the engine's decode."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    cancel = threading.Event()
+    wake, lock, cancel = asyncio.Event(), threading.Lock(), threading.Event()
+    box: dict[str, Any] = {"part": None, "end": False, "error": None}
 
-    def put(item) -> None:
+    def post(**kw) -> None:
+      with lock:
+        box.update(kw)
       try:
-        loop.call_soon_threadsafe(queue.put_nowait, item)
+        loop.call_soon_threadsafe(wake.set)
       except RuntimeError:  # the loop is gone (the server stopped)
         cancel.set()
 
     def work() -> None:
+      if cancel.is_set():   # the client left while this call waited for a worker
+        return post(end=True)
       try:
         for part in self.engine.stream(prompt.ids, req.sampling, req.n, req.seed,
                                        cancelled=cancel):
-          put(("part", part))
-        put(("end", None))
+          post(part=part)
+        post(end=True)
       except BaseException as e:  # noqa: BLE001 -- handed to the event loop below
-        put(("error", e))
+        post(error=e)
 
-    self._pool.submit(work)
+    job = self._pool.submit(work)
+    job.add_done_callback(lambda f: f.cancelled() and post(
+        error=EngineError("the server stopped before this call was served")))
     last = None
     try:
       while True:
-        kind, item = await queue.get()
-        if kind == "part":
-          last = item
-          yield item
-        elif kind == "end":
+        await wake.wait()
+        wake.clear()
+        with lock:
+          part, end, error = box["part"], box["end"], box["error"]
+        if part is not None and part is not last:
+          last = part
+          yield part
+        if isinstance(error, PromptTooLongError):
+          raise api.ApiError(400, str(error), "messages", "context_length_exceeded") from None
+        if error is not None:
+          raise EngineError(f"{type(error).__name__}: {error}") from error
+        if end:
           break
-        elif isinstance(item, PromptTooLongError):
-          raise api.ApiError(400, str(item), "messages", "context_length_exceeded") from None
-        else:
-          raise EngineError(f"{type(item).__name__}: {item}") from item
       if last is None or any(c.finish_reason in ("error", "abort", "") for c in last):
         raise EngineError("the engine's stream ended without a whole answer")
     finally:
@@ -372,39 +383,55 @@ class Proxy:
 
 
 class StreamText:
-  """One choice's text as its tokens arrive: `feed` returns the new (text, log-prob) pieces
-  that are sure to begin the final content -- the stop token's text is never sent, a piece
-  ending inside a multi-byte character waits for the rest, and the last len(longest stop
-  string) - 1 characters wait, so a stop string completed later still cuts the content
-  before anything already sent (`Proxy.choice` cuts the whole text the same way)."""
+  """One choice's text as its tokens arrive. `feed` returns the new text that is sure to begin
+  the final content, and the new sampled tokens the answer keeps, with their log-probs: every
+  token up to the one that ended it (a stop token, or the token completing a stop string),
+  as `Proxy.choice` keeps them. Text is held back where it could still change: the stop
+  token's text is never content; an incomplete UTF-8 character waits for the rest; and the
+  last len(longest stop string) - 1 characters wait, so a stop string completed later cuts the
+  content before anything already sent. Decoding is incremental (a window of the last tokens),
+  so a long answer costs O(tokens), not O(tokens^2)."""
 
   def __init__(self, decode, stop_ids: tuple[int, ...]):
     self.decode, self.stop_ids = decode, set(stop_ids)
-    self.ids: list[int] = []
+    self.ids: list[int] = []        # the content's ids so far (a stop token excluded)
+    self.text = ""                  # their text, decoded incrementally
     self.sent = ""
-    self.ended = False              # a stop token was sampled: nothing after it is content
+    self.ended = False              # a stop token or stop string ended the content
+    self._seen = 0                  # sampled tokens consumed
+    self._prefix = self._read = 0   # the decode window: ids[_prefix:_read] is already text
+
+  def _grow(self) -> None:
+    before = self.decode(self.ids[self._prefix:self._read])
+    now = self.decode(self.ids[self._prefix:])
+    if len(now) > len(before) and not now.endswith("\ufffd"):
+      self.text += now[len(before):]
+      self._prefix, self._read = self._read, len(self.ids)
 
   def feed(self, token_ids: list[int], logprobs: list[float],
-           stops: tuple[str, ...]) -> list[tuple[str, float]]:
-    hold = max((len(s) for s in stops), default=1) - 1
-    out = []
-    for t in range(len(self.ids), len(token_ids)):
-      if self.ended or token_ids[t] in self.stop_ids:
+           stops: tuple[str, ...]) -> tuple[str, list[tuple[int, float]]]:
+    kept = []
+    for t in range(self._seen, len(token_ids)):
+      self._seen += 1
+      if self.ended:
+        continue
+      kept.append((int(token_ids[t]), float(logprobs[t])))
+      if token_ids[t] in self.stop_ids:
         self.ended = True
-        self.ids.append(token_ids[t])
         continue
-      self.ids.append(token_ids[t])
-      text = self.decode(self.ids)
-      if any(s in text for s in stops):
+      self.ids.append(int(token_ids[t]))
+      old = len(self.text)
+      self._grow()
+      if any(s in self.text[max(old - len(s) + 1, 0):] for s in stops):
         self.ended = True           # the content ends before it: `rest` sends what is left
-        continue
-      ready = text[:len(text) - hold] if hold else text
-      if ready.endswith("\ufffd") or not ready.startswith(self.sent):
-        continue
-      if len(ready) > len(self.sent):
-        out.append((ready[len(self.sent):], float(logprobs[t])))
-        self.sent = ready
-    return out
+    if self.ended:
+      return "", kept
+    hold = max((len(s) for s in stops), default=1) - 1
+    ready = self.text[:len(self.text) - hold] if hold else self.text
+    if len(ready) <= len(self.sent) or not ready.startswith(self.sent):
+      return "", kept
+    piece, self.sent = ready[len(self.sent):], ready
+    return piece, kept
 
   def rest(self, content: str) -> Optional[str]:
     """What of the final `content` is still to send; None if what was sent does not begin it

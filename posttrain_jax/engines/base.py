@@ -58,6 +58,10 @@ class Engine(Protocol):
     """Installs new weights; later generations report `version`."""
     ...
 
+  # Optional: `stream(prompt, sampling, n, seed, cancelled=Event) -> Iterator[list[Completion]]`,
+  # the n completions of one prompt as they grow, the last item final and equal to what
+  # `generate` returns (JaxSampler). The proxy streams text while it is sampled with it.
+
 
 def engine_metrics(engine: Any) -> dict[str, float]:
   """The engine's own per-step metrics if it reports any (an optional `metrics()`, e.g. a

@@ -76,16 +76,17 @@ def _sample(logits_bv, rng, sp: SamplingParams):
   return ids, jnp.take_along_axis(logp, ids[:, None], -1)[:, 0]
 
 
-def _prefill(model: Decoder, prompt_bp, seg_bp, rng, sp: SamplingParams):
+def _prefill(model: Decoder, prompt_bp, seg_bp, rng, filler_b, sp: SamplingParams):
   """The decode state after the prompt: (step, cache, logits, tokens, logps, lengths, done,
-  rng, pos)."""
+  rng, pos). Filler rows (`filler_b`: the batch bucket's padding) start done, so the loop ends
+  when the real rows have stopped (each row's draws do not depend on the others')."""
   b, p = prompt_bp.shape
   cache = init_cache(model.cfg, b, p + sp.max_tokens)
   pos_bp = jnp.maximum(jnp.cumsum(seg_bp, axis=1) - 1, 0)
   hidden, cache = model(prompt_bp, pos_bp, seg_bp, cache)
   return (jnp.zeros((), jnp.int32), cache, model.logits(hidden[:, -1]),
           jnp.zeros((b, sp.max_tokens), jnp.int32), jnp.zeros((b, sp.max_tokens), jnp.float32),
-          jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), rng, jnp.sum(seg_bp, axis=1))
+          jnp.zeros((b,), jnp.int32), filler_b, rng, jnp.sum(seg_bp, axis=1))
 
 
 def _decode(model: Decoder, carry, until, sp: SamplingParams):
@@ -117,8 +118,9 @@ def _decode(model: Decoder, carry, until, sp: SamplingParams):
 # run the same programs on the same random stream, so a stream samples what a whole answer does.
 # The decode state (KV cache included) stays on the device between the calls.
 @functools.partial(jax.jit, static_argnames=("graphdef", "sp"))
-def _start(graphdef: "_Static", params, prompt_bp, seg_bp, rng, *, sp: SamplingParams):
-  return _prefill(nnx.merge(graphdef.value, params), prompt_bp, seg_bp, rng, sp)
+def _start(graphdef: "_Static", params, prompt_bp, seg_bp, rng, filler_b, *,
+           sp: SamplingParams):
+  return _prefill(nnx.merge(graphdef.value, params), prompt_bp, seg_bp, rng, filler_b, sp)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sp"), donate_argnums=(2,))
@@ -200,7 +202,8 @@ class JaxSampler:
     # Params and version are read together once: weights installed by another thread while this
     # call decodes do not relabel its tokens with the newer version.
     params, version = self._snapshot()
-    carry = _start(self._static, params, *_inputs(params, ids, seg, seed), sp=sampling)
+    carry = _start(self._static, params, *_inputs(params, ids, seg, seed, len(rows)),
+                   sp=sampling)
     carry = _continue(self._static, params, carry, sampling.max_tokens, sp=sampling)
     tokens, logps, lengths, done = _fetch(carry[3:7])
     out = []
@@ -226,17 +229,25 @@ class JaxSampler:
     rows = [list(prompt)] * n
     ids, seg = self._layout(rows)
     params, version = self._snapshot()
-    carry = _start(self._static, params, *_inputs(params, ids, seg, seed), sp=sampling)
+    carry = _start(self._static, params, *_inputs(params, ids, seg, seed, len(rows)),
+                   sp=sampling)
+    toks: list[list[int]] = [[] for _ in range(n)]
+    lps: list[list[float]] = [[] for _ in range(n)]
     step = 0
     while True:
-      step = min(step + max(chunk_tokens, 1), sampling.max_tokens)
+      prev, step = step, min(step + max(chunk_tokens, 1), sampling.max_tokens)
       carry = _continue(self._static, params, carry, step, sp=sampling)
-      tokens, logps, lengths, done = jax.device_get(carry[3:7])
-      last = step >= sampling.max_tokens or bool(done[:n].all())
-      yield [Completion(token_ids=tokens[r, :int(lengths[r])].tolist(),
-                        logprobs=logps[r, :int(lengths[r])].astype(float).tolist(),
-                        finish_reason=("stop" if done[r] else "length") if last else
-                        ("stop" if done[r] else ""), version=version) for r in range(n)]
+      # only this chunk's columns come to the host (a row's tokens end at its length)
+      tokens, logps, lengths, done = jax.device_get(
+          (carry[3][:n, prev:step], carry[4][:n, prev:step], carry[5][:n], carry[6][:n]))
+      for r in range(n):
+        k = int(lengths[r]) - len(toks[r])
+        toks[r] += tokens[r, :k].tolist()
+        lps[r] += logps[r, :k].astype(float).tolist()
+      last = step >= sampling.max_tokens or bool(done.all())
+      yield [Completion(token_ids=list(toks[r]), logprobs=list(lps[r]),
+                        finish_reason="stop" if done[r] else ("length" if last else ""),
+                        version=version) for r in range(n)]
       if last or (cancelled is not None and cancelled.is_set()):
         return
 
@@ -255,16 +266,18 @@ def _job_prompts(prompts, n: int, seed: int) -> tuple[list[list[int]], list[int]
           [k for k, (i, _) in enumerate(order) if i == me], everyone[0]["seed"])
 
 
-def _inputs(params, ids, seg, seed: int):
-  """(prompt ids, segment ids, PRNG key) for `_start`; several processes: laid out
-  replicated over the params' mesh (this process's arrays alone cannot enter a job's program)."""
+def _inputs(params, ids, seg, seed: int, real: int):
+  """(prompt ids, segment ids, PRNG key, filler rows) for `_start` (rows past `real` are
+  fillers); several processes: laid out replicated over the params' mesh (this process's arrays
+  alone cannot enter a job's program)."""
   rng = jax.random.key(seed)
+  filler = np.arange(ids.shape[0]) >= real
   if jax.process_count() == 1:
-    return ids, seg, rng
+    return ids, seg, rng, filler
   mesh = next(x.sharding.mesh for x in jax.tree.leaves(params)
               if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding))
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  return put_global((ids, seg, rng), (rep, rep, rep))
+  return put_global((ids, seg, rng, filler), (rep, rep, rep, rep))
 
 
 def _fetch(arrays):

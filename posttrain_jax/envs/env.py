@@ -24,7 +24,7 @@ Whose failure is it (ARCHITECTURE.md, status semantics):
 - *the policy's* — a malformed call, an unknown tool, bad arguments, code that raises or runs
   past its limits: a normal step whose tool message says what went wrong, counted by cause in
   `EnvStep.info["tool_errors"]`, and charged to the reward (`ToolEnvConfig.malformed_penalty`).
-- *the policy's budget* — turns, sampled tokens, wall seconds or tool calls exhausted: the
+- *the policy's budget* — turns, sampled tokens, its own seconds or tool calls exhausted: the
   episode ends with status `timeout`, scored as a failure (reward 0), never dropped.
 
 `ToolEnv` implements the tool plumbing once (dispatch, argument checks, error messages,
