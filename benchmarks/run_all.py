@@ -67,8 +67,10 @@ SUITE = (
     Bench("proxy_overhead", "recording proxy latency over the bare engine, calls/s",
           ("--calls", "100", "--concurrency", "16", "--calls_per_client", "5"),
           ("p50_overhead_ms", "p99_overhead_ms", "calls_per_s"), 300),
-    Bench("default_run", "the default run (README command 1): GRPO seconds to held-out accuracy 0.5",
-          ("--target", "0.5", "--every", "25", "--budget_s", "300"),
+    # The SFT start moves with library versions (0.42 sampled held-out, then 0.56 after a fresh
+    # install of jax 0.10.2 / flax 0.12.8): the target sits above today's start.
+    Bench("default_run", "the default run (README command 1): GRPO seconds to held-out accuracy 0.6",
+          ("--target", "0.6", "--every", "25", "--budget_s", "300"),
           ("rl_s_to_target", "sft_s", "rl_s_per_step", "heldout_before", "heldout_reached"), 600),
     Bench("time_to_accuracy", "ours vs TRL GRPOTrainer from one warm start: seconds to targets",
           ("--seeds", "0", "--targets", "0.5", "--budget_s", "120", "--skip_trl",
