@@ -8,16 +8,10 @@ weights; the rebuilt training sample is the recorded prompt ids + the sampled id
 stream (sent once decoded: this engine does not stream) samples what the seeded whole answer
 did."""
 import pathlib
-import subprocess
-import sys
 
 import openai
 import pytest
 
-from posttrain_jax.byoh.rebuild import rebuild_session
-from posttrain_jax.byoh.store import StoreConfig, TraceStore
-from posttrain_jax.engines.base import Completion
-from posttrain_jax.models import hf_io
 from posttrain_jax.models.tiny import TinyModelConfig, build_tiny_model
 from tests import byoh_testing as bt
 from tests import vllm_testing as vt
@@ -41,29 +35,10 @@ def remote(tmp_path_factory):
         log_path=str(base / "server.log")))
     with server:
       db, port = base / "traces.db", bt.free_port()
-      proc = subprocess.Popen(
-          [sys.executable, str(ROOT / "launch" / "serve.py"),
-           f"--config={ROOT / 'configs' / 'serve.py'}:openai",
-           f"--config.engine_config.base_url={server.url}", f"--config.model_path={model_dir}",
-           "--config.proxy.max_tokens_limit=256", f"--config.port={port}",
-           f"--config.store.path={db}", "--config.store.synchronous=NORMAL",
-           "--config.max_prompt_tokens=512"],
-          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      try:
-        lines = []
-        for line in proc.stdout:
-          lines.append(line)
-          if line.startswith("serving"):
-            break
-        else:
-          pytest.fail("launch/serve.py --config.engine=openai did not start:\n" + "".join(lines))
+      with bt.serve_process([f"--config={ROOT / 'configs' / 'serve.py'}:openai",
+                             f"--config.engine_config.base_url={server.url}"], db, model_dir,
+                            port):
         yield f"http://127.0.0.1:{port}", model_dir, db
-      finally:
-        proc.terminate()
-        try:
-          proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-          proc.kill()
 
 
 def _client(url, session):
@@ -78,41 +53,10 @@ def test_a_remote_servers_tokens_are_recorded_as_sampled(remote):
   r = _client(url, "remote-1").chat.completions.create(
       model=MODEL, messages=messages, max_tokens=12, n=2, temperature=1.0, seed=7, logprobs=True)
   assert r.system_fingerprint == "posttrain_jax-v0" and len(r.choices) == 2
-  store = TraceStore(StoreConfig(path=str(db)))
-  (call,) = store.calls("default", "remote-1")
-  assert call.status == "complete"
-  tok = hf_io.load_tokenizer(model_dir)
-  for got, rec in zip(r.choices, call.choices):
-    n = len(got.logprobs.content)
-    assert [t.logprob for t in got.logprobs.content] == pytest.approx(rec.logprobs[:n], abs=1e-6)
-    assert "".join(t.token for t in got.logprobs.content) == tok.decode(rec.token_ids[:n])
-    assert got.message.content == rec.text
-  model = hf_io.load_hf_model(model_dir)
-  comps = [[Completion(token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason,
-                       version=c.version) for c in call.choices]]
-  d = vt.completion_deltas(vt.Reference(model), model, [call.prompt_ids], comps)
-  print(f"\nproxy on a remote vLLM server vs learner: mean |d logp| {d.mean():.2e}, "
-        f"max {d.max():.2e} over {d.size} tokens")
-  assert d.size >= 2 and d.mean() <= 1e-3 and d.max() <= 1e-2
-  samples, stats = rebuild_session("remote-1", store.calls("default", "remote-1"))
-  assert stats["samples"] == 2
-  for s, c in zip(samples, call.choices):
-    assert s.token_ids == call.prompt_ids + c.token_ids
-    assert s.behaviour_logprobs[len(call.prompt_ids):] == c.logprobs
-  store.close()
+  bt.check_recorded_as_sampled(r, db, "remote-1", model_dir, "proxy on a remote vLLM server")
 
 
 @vt.needs_vllm
 def test_a_seeded_stream_through_a_remote_server_is_the_whole_answer(remote):
   url, _, db = remote
-  kw = dict(model=MODEL, messages=[{"role": "user", "content": "Count."}], max_tokens=10,
-            temperature=1.0, seed=11)
-  whole = _client(url, "remote-whole").chat.completions.create(**kw)
-  pieces = [ch.choices[0].delta.content or "" for ch in
-            _client(url, "remote-stream").chat.completions.create(stream=True, **kw)
-            if ch.choices]
-  assert "".join(pieces) == whole.choices[0].message.content
-  store = TraceStore(StoreConfig(path=str(db)))
-  (a,), (b,) = store.calls("default", "remote-whole"), store.calls("default", "remote-stream")
-  assert a.choices[0].token_ids == b.choices[0].token_ids and b.status == "complete"
-  store.close()
+  bt.check_seeded_stream(url, db, "remote")

@@ -1,7 +1,6 @@
 """Multi-turn episodes: token-exact stitching on every chat format, breaks counted by reason,
 and the status semantics (timeouts scored, infra errors excluded, malformed calls charged)."""
 import asyncio
-import dataclasses
 import time
 
 import pytest

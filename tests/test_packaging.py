@@ -49,6 +49,7 @@ OPTIONAL_IMPORTS = {
 # dependency imports them lazily without declaring them itself.
 LAZY_RUNTIME = {
     "jinja2",  # transformers' apply_chat_template (actors/rollout.py: encode_prompt)
+    "httptools",  # uvicorn's C HTTP parser, which uvicorn picks when installed (byoh/app.py)
 }
 _FIRST_PARTY = {"posttrain_jax"}
 
