@@ -21,6 +21,15 @@ out=${1:-${OUT:-runs/gpu_check}}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
+# Not installed (a GPU machine with jax but no network for pip): the layout setup.py installs,
+# kernels/, launch/ and configs/ inside the posttrain_jax namespace, as links in a temp dir.
+if ! "$py" -c "import posttrain_jax.kernels" 2>/dev/null; then
+  shim=$(mktemp -d)
+  mkdir "$shim/posttrain_jax"
+  for f in "$PWD"/posttrain_jax/*; do ln -s "$f" "$shim/posttrain_jax/"; done
+  for d in kernels launch configs; do ln -s "$PWD/$d" "$shim/posttrain_jax/$d"; done
+  export PYTHONPATH="$shim:$PYTHONPATH"
+fi
 cpu=${GPU_CHECK_CPU:-0}
 parts=0
 ok=0
