@@ -207,14 +207,20 @@ def measure(case: str, args, model_path=None, variant=None, mode="sync") -> dict
       compiles[0] += 1
 
   real_rl_step = trainer_lib.rl_step
-  real_generate = jax_sampler._generate
+  real_start, real_continue = jax_sampler._start, jax_sampler._continue
 
-  def generate_device(*a, **k):
+  def start_device(*a, **k):  # the sampler's prefill program
     with clock.part("generate device"):
-      out = jax.block_until_ready(real_generate(*a, **k))
+      out = jax.block_until_ready(real_start(*a, **k))
     if clock.on:
       gen_calls[:] = [gen_calls[0] + 1 if gen_calls else 1, a[2:4], k["sp"]]
-      decode_steps[0] += int(np.max(np.asarray(out[2])))
+    return out
+
+  def continue_device(*a, **k):  # its decode steps (carry[5]: the rows' lengths)
+    with clock.part("generate device"):
+      out = jax.block_until_ready(real_continue(*a, **k))
+    if clock.on:
+      decode_steps[0] += int(np.max(np.asarray(out[5])))
     return out
 
   def build_batch(trajs, advs, cfg, *a, **k):
@@ -250,7 +256,8 @@ def measure(case: str, args, model_path=None, variant=None, mode="sync") -> dict
           cfg.rl, batch=dataclasses.replace(cfg.rl.batch, trim=variant["trim"])))
     p = functools.partial(_patch, stack)
     p(trainer_lib, "rl_step", rl_step)
-    p(jax_sampler, "_generate", generate_device)
+    p(jax_sampler, "_start", start_device)
+    p(jax_sampler, "_continue", continue_device)
     p(jax_sampler.JaxSampler, "generate",
       _wrap(clock, "generate host", jax_sampler.JaxSampler.generate))
     p(rollout_lib.SyncRollouts, "update_weights",

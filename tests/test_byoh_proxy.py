@@ -247,6 +247,23 @@ def test_streamed_logprobs_are_the_whole_answers_token_for_token(tmp_path, sampl
           assert got[ch.index] == [(t.token, t.logprob) for t in ch.logprobs.content]
 
 
+def test_a_prompt_the_engine_cannot_take_is_a_400_streamed_or_not(tmp_path, sampler):
+  """The engine's own prompt limit (here under the proxy's) is the client's error, named, in
+  both paths: a 400 body, or the stream's error event; the call is recorded as an error."""
+  with bt.running(sampler, tmp_path / "t.db", ProxyConfig(max_prompt_tokens=100_000)) as (
+      url, proxy):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "1 + " * 400}],
+            "max_tokens": 4}
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers={"X-Session-Id": "long"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = httpx.post(url + "/v1/chat/completions", json={**body, "stream": True},
+                   headers={"X-Session-Id": "long"})
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "context_length_exceeded"
+    assert [c.status for c in proxy.store.calls("default", "long")] == ["error", "error"]
+
+
 def _status(url, path, body=None, headers=None, raw=None):
   r = httpx.post(url + path, json=body, content=raw, headers=headers or {})
   return r.status_code, r.json()

@@ -183,12 +183,10 @@ class Proxy:
       try:
         out = await loop.run_in_executor(
             self._pool, lambda: self.engine.generate([prompt.ids], req.sampling, req.n, req.seed))
-      except PromptTooLongError as e:
-        raise api.ApiError(400, str(e), "messages", "context_length_exceeded") from None
       except api.ApiError:
         raise
-      except Exception as e:
-        raise EngineError(f"{type(e).__name__}: {e}") from e
+      except Exception as e:  # noqa: BLE001 -- what it is for the client: _engine_failure
+        raise _engine_failure(e) from e
       comps = out[0]
       if any(c.finish_reason == "error" for c in comps):
         raise EngineError("the engine reported an error for this request")
@@ -244,10 +242,8 @@ class Proxy:
         if part is not None and part is not last:
           last = part
           yield part
-        if isinstance(error, PromptTooLongError):
-          raise api.ApiError(400, str(error), "messages", "context_length_exceeded") from None
         if error is not None:
-          raise EngineError(f"{type(error).__name__}: {error}") from error
+          raise _engine_failure(error) from error
         if end:
           break
       if last is None or any(c.finish_reason in ("error", "abort", "") for c in last):
@@ -380,6 +376,14 @@ class Proxy:
     trajs, stats = rebuild_session(session, self.store.calls(tenant, session),
                                    self.store.feedback(tenant, session))
     return {"samples": [t.to_dict() for t in trajs], "stats": dict(stats)}
+
+
+def _engine_failure(e: BaseException) -> Exception:
+  """A failed engine call as the client sees it: a prompt the engine can never serve is a 400
+  naming the messages; anything else is our failure (EngineError: a 503)."""
+  if isinstance(e, PromptTooLongError):
+    return api.ApiError(400, str(e), "messages", "context_length_exceeded")
+  return EngineError(f"{type(e).__name__}: {e}")
 
 
 class StreamText:
