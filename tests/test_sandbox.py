@@ -8,7 +8,9 @@ import asyncio
 import dataclasses
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 
@@ -215,6 +217,43 @@ def test_arun_calls_run_concurrently(session):
                                   for i in range(4)))
   results = asyncio.run(main())
   assert [(r.exit_code, r.stdout) for r in results] == [(0, f"{i}\n") for i in range(4)]
+
+
+@pytest.fixture
+def slow_bwrap():
+  """A bwrap that takes 1.5 s to start (a loaded machine) while the flag file exists: a script
+  that sleeps, then execs the real one (in a directory the calls' uid may enter)."""
+  d = tempfile.mkdtemp(prefix="slow_bwrap_")
+  os.chmod(d, 0o755)
+  script, flag = os.path.join(d, "bwrap"), os.path.join(d, "slow")
+  with open(script, "w") as f:
+    f.write(f"#!/bin/sh\n[ -e {flag} ] && sleep 1.5\nexec {shutil.which('bwrap')} \"$@\"\n")
+  os.chmod(script, 0o755)
+  yield script, flag
+  shutil.rmtree(d)
+
+
+@needs_bwrap
+def test_the_sandboxs_start_up_is_not_on_the_commands_wall_clock(slow_bwrap, marker):
+  """A call whose sandbox takes 1.5 s to start still gets its whole 1 s wall clock (before,
+  the clock ran from the spawn, and the policy's program was killed as "wall" before it ran:
+  a tool_timeout charged to the policy for our slow start); a start past startup_seconds is
+  our failure, SandboxError, not the policy's timeout."""
+  script, flag = slow_bwrap
+  fast = Sandbox(dataclasses.replace(CFG, bwrap=script, wall_seconds=1.0))
+  tight = Sandbox(dataclasses.replace(CFG, bwrap=script, startup_seconds=0.5))
+  open(flag, "w").close()
+  with fast.session() as s:
+    t0 = time.monotonic()
+    r = s.run_python("import time; time.sleep(0.5); print('done')", args=[marker])
+    assert r.ok and r.stdout == "done\n" and r.limit is None, r
+    assert time.monotonic() - t0 >= 1.5 + 0.5 and 0.5 <= r.wall_s < 1.5, r.wall_s
+    r = s.run_python("import time; time.sleep(30)", args=[marker])
+    assert r.limit == "wall" and 1.0 <= r.wall_s < 1.5, r  # the command's own second
+  with tight.session() as s:
+    with pytest.raises(SandboxError, match=r"did not start within .*startup_seconds=0.5"):
+      s.run_python("print('never')", args=[marker])
+    assert not procs_with(marker)
 
 
 def test_config_rejects_nonpositive_limits():

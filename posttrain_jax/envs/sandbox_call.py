@@ -260,12 +260,15 @@ class _Call:
     return open_
 
   async def run(self, stdin: bytes, timeout: float) -> ExecResult:
+    """Runs the call: `timeout` is the command's wall clock, started when the init reports the
+    exec (b"R"); the sandbox's own start-up before that (bwrap, namespaces, the init: slow on
+    a loaded machine) has its own limit, `startup_seconds`, and past it the call is ours."""
     loop = asyncio.get_running_loop()
     t0 = time.monotonic()
     self._spawn()
     proc = self.proc
     out, err = _Capture(self.cfg.max_output_bytes), _Capture(self.cfg.max_output_bytes)
-    exited, overflow = loop.create_future(), loop.create_future()
+    exited, overflow, started = (loop.create_future() for _ in range(3))
     streams = {proc.stdout.fileno(): (out, loop.create_future()),
                proc.stderr.fileno(): (err, loop.create_future())}
 
@@ -286,6 +289,8 @@ class _Call:
     def on_report(fd: int, into: bytearray) -> None:
       if not self._read(fd, into):
         loop.remove_reader(fd)
+      if fd == self.status_fd and into and not started.done():
+        started.set_result(None)  # b"R" (the command runs) or b"E" (it never will)
 
     pending = memoryview(stdin)
 
@@ -311,9 +316,16 @@ class _Call:
         loop.add_writer(proc.stdin.fileno(), on_stdin)
       else:
         proc.stdin.close()
-      await asyncio.wait([exited, overflow], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-      killed = None if exited.done() else ("output" if overflow.done() else "wall")
-      wall_s = time.monotonic() - t0
+      await asyncio.wait([started, exited, overflow], timeout=self.cfg.startup_seconds,
+                         return_when=asyncio.FIRST_COMPLETED)
+      t_start = time.monotonic()
+      if started.done() or exited.done() or overflow.done():
+        await asyncio.wait([exited, overflow], timeout=timeout,
+                           return_when=asyncio.FIRST_COMPLETED)
+        killed = None if exited.done() else ("output" if overflow.done() else "wall")
+        wall_s = time.monotonic() - t_start
+      else:  # not started in startup_seconds: _result raises SandboxError (ours)
+        killed, wall_s = "startup", time.monotonic() - t0
       if killed:
         await self._astop(exited)
       self.stop()  # reaps our child, which has exited by now (else: the blocking way)
@@ -334,8 +346,9 @@ class _Call:
     if report.startswith(b"E"):
       reason = report[1:].decode("utf-8", "replace")
       raise SandboxError(f"cannot run {self.argv[0]!r} in the sandbox: {reason}")
-    if not report.startswith(b"R"):
-      why = (f"it did not start within {wall_s:.1f} s" if killed else
+    if killed == "startup" or not report.startswith(b"R"):
+      why = (f"it did not start within {wall_s:.1f} s (startup_seconds="
+             f"{self.cfg.startup_seconds:g})" if killed else
              f"it exited with status {os.waitstatus_to_exitcode(self.wait_status)} before the "
              "command started")
       raise SandboxError(f"the sandbox failed: {why}; stderr: {err.text()[-2000:]!r}")

@@ -21,6 +21,9 @@ class SandboxConfig:
   max_file_mb: int = 16               # RLIMIT_FSIZE: the largest file a call may write
   disk_mb: int = 64                   # the work dir's quota; also the size of /tmp and /dev/shm
   wall_seconds: float = 10.0          # wall clock of one call unless run(timeout_s=) says otherwise
+  startup_seconds: float = 30.0       # the sandbox's own start (bwrap, namespaces, the init) before
+                                      # the command runs: not on the command's wall clock; past it
+                                      # the call is our failure (SandboxError), not the policy's
   max_output_bytes: int = 16384       # kept of stdout and of stderr each (head + tail)
   kill_output_bytes: int = 1 << 22    # stdout + stderr past this kills the call (limit="output")
   allow_unsandboxed: bool = False     # no working bwrap: run tools unisolated (warns) or raise
@@ -32,7 +35,8 @@ class SandboxConfig:
 
   def __post_init__(self):
     for name in ("cpu_seconds", "memory_mb", "max_processes", "max_file_mb", "disk_mb",
-                 "wall_seconds", "max_output_bytes", "kill_output_bytes", "sandbox_uid"):
+                 "wall_seconds", "startup_seconds", "max_output_bytes", "kill_output_bytes",
+                 "sandbox_uid"):
       if not getattr(self, name) > 0:
         raise ValueError(f"SandboxConfig.{name}={getattr(self, name)!r} must be > 0")
 
@@ -57,7 +61,8 @@ class ExecResult:
   exit_code: int              # the command's exit status; -s when killed by signal s
   timed_out: bool             # killed by the wall clock
   limit: Optional[str]        # the limit that stopped it: one of LIMITS, or None
-  wall_s: float               # seconds from start to exit
+  wall_s: float               # seconds from the command's start (the sandbox's own start-up
+                              # excluded) to its exit
   cpu_s: float = 0.0          # user + system CPU seconds of all its processes (0 if killed)
   truncated: bool = False     # stdout or stderr was cut
 
