@@ -174,9 +174,18 @@ def test_verify_fits_the_benchmark_budget():
   assert verify.metrics["response_len"] > 2 * tool.metrics["response_len"]
 
 
-def test_check_reruns_the_last_program_on_the_faulty_backend():
-  """check() returns what the last python program printed, is the policy's error before any
-  program ran, and meets the injected backend faults like python does."""
+def test_check_reruns_the_last_program_on_the_faulty_backend(monkeypatch):
+  """check() returns what the last python program printed (or its error again: the policy's),
+  is the policy's error before any program ran, meets the injected backend faults like python
+  does, and starts no sandbox process of its own (only the python calls do)."""
+  from posttrain_jax.envs.sandbox import SandboxSession
+  started = []
+  real_arun = SandboxSession.arun
+
+  async def counting_arun(self, argv, *a, **k):
+    started.append(argv)
+    return await real_arun(self, argv, *a, **k)
+  monkeypatch.setattr(SandboxSession, "arun", counting_arun)
   spec = env_spec(INFRA)
   task = _tasks(1)[0]
 
@@ -196,6 +205,10 @@ def test_check_reruns_the_last_program_on_the_faulty_backend():
   assert out[0].startswith("error: check: no python program") and counts["tool_failed"] == 1
   n = fidelity_envs.VERIFY_RERUNS
   assert out[1:] == ["42", f"42 (run 1 of {n})", f"42 (run 2 of {n})"]
+  assert len(started) == 1  # the python call's process; the checks reached no new one
+  out, counts = asyncio.run(calls(spec.build(spec.config_cls()), "print(1//0)", None, None))
+  assert all("ZeroDivisionError" in o for o in out) and counts["tool_failed"] == 3, (out, counts)
+  assert len(started) == 2
   faulty = spec.build(spec.config_cls(infra_fault_rate=0.5))
   faulty._faults.random = iter([0.9, 0.1]).__next__  # python's draw passes, check's faults
   with pytest.raises(EnvInfraError, match="injected"):

@@ -9,8 +9,13 @@ slots), so SFT data replays from the bank's seed. Both use tool_math's 4-digit Ã
 products, the prompt layout in which the tiny model learns to copy digits (configs/tool_math.py).
 
 tool_math_fidelity_infra (case 1: infra faults on tool calls), slots of 4. Two more tools:
-`check` runs the episode's last python program again on the same backend, and `submit` ends
-the episode with what the last program printed as the answer (it reaches no backend):
+`check` asks the same backend for the episode's last python program's outcome again (its
+output, or its error) and `submit` ends the episode with what the last program printed as the
+answer (it reaches no backend). A check meets the injected faults exactly as a python call does
+(its own draw of the same stream) but starts no new sandbox process: a program's outcome here
+is a function of its code (a print of a product), so a rerun would return the same, and its
+process start was most of the benchmark's time (py-spy, 2026-12-04: 47% of an RL step in
+check's Popen, which blocks the event loop):
     slot 0      tool     call python(print(a*b)), then submit()
     slot 1-3    verify   call python(print(a*b)), check() 5 times, then submit(): 6 backend
                          calls instead of 1, ~3Ã— the tokens, and exactly as correct (neither
@@ -76,26 +81,34 @@ SUBMIT = ToolSpec("submit", "Submits what the last program printed as the answer
 
 
 class VerifyEnv(ToolMathEnv):
-  """tool_math with `check` (the last python program again, through the same backend and so
-  the same injected faults) and `submit` (grade what the last program printed; no backend)."""
+  """tool_math with `check` (the last python program's outcome again, from the same backend and
+  so with the same injected faults; module docstring) and `submit` (grade what the last program
+  printed; no backend)."""
   tools = (PYTHON, CHECK, SUBMIT)
 
   async def opening(self, task: Task, seed: int) -> list[dict[str, Any]]:
-    self._last: str | None = None  # per episode: the last program, its output, checks so far
+    # per episode: the last program's outcome (its output or its ToolFailure), what it printed,
+    # the checks so far
+    self._last: str | ToolFailure | None = None
     self._printed, self._checks = "", 0
     return await super().opening(task, seed)
 
   async def call_python(self, code: str) -> str:
-    self._last = code
-    self._printed = await super().call_python(code)
+    try:
+      self._printed = self._last = await super().call_python(code)
+    except ToolFailure as e:
+      self._last = e
+      raise
     return self._printed
 
   async def call_check(self) -> str:
     if self._last is None:
       raise ToolFailure("tool_failed", "check: no python program has run yet")
-    out = await super().call_python(self._last)
+    self.backend_fault()
+    if isinstance(self._last, ToolFailure):
+      raise ToolFailure(self._last.cause, str(self._last))
     self._checks += 1
-    return check_output(out, self._checks)
+    return check_output(self._last, self._checks)
 
   async def call_submit(self) -> str:  # reached only beside other calls (see step)
     raise ToolFailure("bad_arguments", "submit: call it alone, as the turn's only call")

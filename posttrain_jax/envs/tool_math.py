@@ -134,9 +134,13 @@ class ToolMathEnv(ToolEnv):
     return [{"role": "user", "content": str(task.prompt if isinstance(task.prompt, str)
                                             else task.prompt_text)}]
 
-  async def call_python(self, code: str) -> str:
+  def backend_fault(self) -> None:
+    """Raises the injected tool-backend fault (EnvInfraError, ours) at `infra_fault_rate`."""
     if self.cfg.infra_fault_rate and self._faults.random() < self.cfg.infra_fault_rate:
       raise EnvInfraError("tool_backend", "injected tool-backend fault")
+
+  async def call_python(self, code: str) -> str:
+    self.backend_fault()
     try:
       if self._session is None:
         self._session = await open_session(self.cfg.sandbox)
