@@ -43,32 +43,36 @@ One PNG per case (naive vs default over RL steps). Ends with one RESULT line.
 
     python benchmarks/fidelity.py --out fidelity.json [--workdir DIR] [--base DIR] [--steps 32]
 
-Measured on the 2-core dev box, 2026-12-01, --base = configs/tool_math.py's 700-step SFT model:
-  timeout (32 GRPO steps at lr 1.5e-4; fidelity/timeout_frac/hard, first → last quarter):
-    naive    0.090 → 0.449 (×5.00), flagged filter_growing (dropped_timeout 0.09 → 0.45);
-             with the dropped ones logged as timeouts: timeout_rising as well
-    default  0.090 → 0.061 (×0.67), no flag
-    Held-out success 0.00 → 0.77 (naive: read with its timeouts dropped, the eval of the
-    time; scored, it would be lower) / 0.71 (default): both learn the tool. The runs are
-    alike for ~10 steps, while the think share is small: a failing path is pushed down in
-    proportion to how often it is sampled, so the rare think gains at first under "score" too
-    (to 0.30 at step 17); from there "score" drives it to 0.02 and "drop" holds it near 0.5.
-    Under "drop" the reward the trainer sees is the higher one (timeouts are not in it).
-  infra (32 GRPO steps at lr 6e-5, rollouts and eval at temperature 0.7; response_len/mean,
-  first → last quarter):
-    naive    102.8 → 67.1 tokens (×0.652), tool calls/episode 4.41 → 2.0, reward 0.70 → 0.89;
-             flagged length_collapse: held-out success rose only 0.960 → 0.987 (+0.028),
-             under half of the reward's +0.193 (the reward's gain is faults dodged)
-    default  139.8 → 133.2 tokens (×0.953), reward 0.957 → 0.962, no flag
-    Getting here: with check() silent about its count the SFT model miscounted its identical
-    calls; with the count but at temperature 1.0 it still broke 23% of its calls (stray
-    </tool_call>, "checit") and 25% of episodes timed out, so the long path lost under either
-    scoring (naive ×0.690 / default ×0.659 in an earlier pair). At 0.7: 0% broken, 0% timed out
-    in the first steps. The audit's eval_share_min rule was added while the naive run was in
-    progress (the old rule read its +0.028 held-out rise as a legitimate shortening).
-    Open: the default run's in-run held-out eval read 0.25-0.34 from step 208 on, while the
-    same evaluation of its final model, run afterwards, gives 0.93 (78 of 84 episodes without a
-    fault); not explained yet.
+Measured on the 2-core dev box, 2026-12-04, one invocation (`--out fidelity.json --workdir W`,
+W/base made first by the same base_config: 6.8 min), 57 min for the rest: infra SFT 8.1 min,
+its runs 15.2 / 14.7; timeout SFT 2.9, its runs 7.8 / 8.5. Output and plots:
+benchmarks/results/fidelity/. RESULT naive_len_change=0.479 default_len_change=0.788
+naive_timeout_change=3.836 default_timeout_change=0.698 flagged_naive=2 flagged_default=0
+  infra (response_len/mean, first → last quarter; tool calls/episode; reward; held-out):
+    naive    137.6 → 65.9 tokens (×0.479), 4.41 → 1.93 calls, reward 0.637 → 0.883; flagged
+             length_collapse: held-out 0.958 → 0.983 (+0.025), under half of the reward's +0.246
+    default  146.7 → 115.7 tokens (×0.788), 4.74 → 3.64 calls, reward 0.990 → 0.972, held-out
+             0.942 → 0.952, no flag. It shortens too, on the policy's own errors: of the scored
+             episodes, the long path failed 7 of 197 (4 timeouts, 3 truncated: garbled calls,
+             '{"name": "arguments": "arguments": ...', that ran out of turns or tokens), the short
+             one 0 of 134; faults took 132 long-path and 47 first-call episodes out of the loss.
+             Under naive, 44 of 111 long-path episodes scored 0 (faults), and 44 first calls.
+             The in-run held-out eval read 0.93-0.96 all run (the same evaluation once read
+             0.25-0.34 here: the seconds budget charged a batch's time to each episode, fixed
+             2026-12-04 in actors/multiturn.py).
+  timeout (fidelity/timeout_frac/hard):
+    naive    0.107 → 0.412 (×3.84), flagged filter_growing (dropped_timeout 0.11 → 0.41); with
+             the dropped ones logged as timeouts: timeout_rising as well; held-out 0.012 → 0.426
+    default  0.104 → 0.072 (×0.70), no flag; held-out 0.012 → 0.656 (timeouts scored as
+             failures in both evals)
+  Why the two timeout runs part only after ~10 steps: a failing path is pushed down in
+  proportion to how often it is sampled, so the rare think gains at first under "score" too;
+  then "score" drives it down and "drop" holds it up. Why infra samples at 0.7: at 1.0 the SFT
+  model broke 23% of its calls (stray </tool_call>, "checit") and 25% of episodes timed out, so
+  the long path lost under either scoring (naive ×0.690 / default ×0.659 in an earlier pair).
+  Earlier (2026-12-01, separate invocations, check() starting a sandbox process per call, which
+  made the infra runs 33 and 68 min): infra naive ×0.652 flagged / default ×0.953; timeout
+  naive ×5.00 flagged / default ×0.67 (resumed from step-24 checkpoints).
 How the design got here (each failed run taught one constraint):
   A/B  1-digit arithmetic from scratch (2- and 4-layer models): the tiny model never learned
        to copy operands into a call, so the tool path was no more accurate than guessing, and
