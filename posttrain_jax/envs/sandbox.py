@@ -65,8 +65,10 @@ call's namespaces, `--as-pid-1`) -> the command. Isolation:
 Who failed: the init reports on a pipe only it holds (it is not dumpable, so the command cannot
 reach it through /proc/1/fd): b"R" once the command's exec succeeded, then its wait status and
 CPU time, or b"E<reason>" if it never ran. No b"R" (bwrap failed, no such program, a limit the
-kernel refused) is our failure: `SandboxError`, an infra error the caller retries and never
-scores. Everything after b"R" is the policy's: an `ExecResult` whose `limit` names what stopped
+kernel refused, or no b"R" within `startup_seconds`) is our failure: `SandboxError`, an infra
+error the caller retries and never scores. The command's wall clock starts at b"R", so a slow
+start (bwrap and the namespaces on a loaded machine) is never charged to the policy.
+Everything after b"R" is the policy's: an `ExecResult` whose `limit` names what stopped
 it: "wall" and "output" (we killed it), "cpu" (SIGXCPU, or SIGKILL after >= ceil(cpu_seconds) s
 of its CPU), "file_size" (SIGXFSZ), else, for a non-zero exit, the end of stderr: MemoryError /
 ENOMEM -> "memory", EFBIG -> "file_size", ENOSPC -> "disk", and a shell's "CPU time / File size
