@@ -174,7 +174,7 @@ def test_verify_fits_the_benchmark_budget():
   assert verify.metrics["response_len"] > 2 * tool.metrics["response_len"]
 
 
-def test_check_reruns_the_last_program_on_the_faulty_backend(monkeypatch):
+def test_check_replays_the_last_outcome_on_the_faulty_backend(monkeypatch):
   """check() returns what the last python program printed (or its error again: the policy's),
   is the policy's error before any program ran, meets the injected backend faults like python
   does, and starts no sandbox process of its own (only the python calls do)."""

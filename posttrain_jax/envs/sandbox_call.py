@@ -348,7 +348,7 @@ class _Call:
       raise SandboxError(f"cannot run {self.argv[0]!r} in the sandbox: {reason}")
     if killed == "startup" or not report.startswith(b"R"):
       why = (f"it did not start within {wall_s:.1f} s (startup_seconds="
-             f"{self.cfg.startup_seconds:g})" if killed else
+             f"{self.cfg.startup_seconds:g})" if killed == "startup" else
              f"it exited with status {os.waitstatus_to_exitcode(self.wait_status)} before the "
              "command started")
       raise SandboxError(f"the sandbox failed: {why}; stderr: {err.text()[-2000:]!r}")
