@@ -46,12 +46,15 @@ weights unless --big_sft_steps, so completions run to the token limit).
 
 `--variants before,after` adds, from the same warm-start and in the same process, a column
 with the step's fast paths off (`before`: no batch trimming, rl.batch.trim=False, and the
-report-only reference forward every step, kl_every=1): what the code did before them;
-`--trim` / `--kl_every` set them for the `after` column (to measure one fix at a time).
+report-only reference forward every step, kl_every=1, and no shared-prefix rows,
+rl.batch.share_prefix=False): what the code did before them; `--trim` / `--kl_every` /
+`--share_prefix` set them for the `after` column (to measure one fix at a time); `plain` is
+`after` without shared-prefix rows.
 
     python benchmarks/step_breakdown.py --out /tmp/breakdown.json --modes sync,async
 ends with `RESULT tiny_sync_step_s=... tiny_sync_train_frac=... tiny_sync_gen_frac=... ...`
-(one group of keys per case x mode x variant; `_before` rows add `..._speedup=`).
+(one group of keys per case x mode x variant; `_before` / `_plain` rows add
+`..._before_speedup=` / `..._plain_speedup=`: their step time over `after`'s).
 """
 from __future__ import annotations
 
@@ -179,7 +182,8 @@ def warm_start(case: str, args, directory: str):
 
 
 # The code's behaviour before the step_breakdown fixes, for a side-by-side column.
-VARIANTS = {"before": {"trim": False, "kl_every": 1}, "after": {}}
+VARIANTS = {"before": {"trim": False, "kl_every": 1, "share_prefix": False},
+            "plain": {"share_prefix": False}, "after": {}}
 
 
 def measure(case: str, args, model_path=None, variant=None, mode="sync") -> dict:
@@ -251,9 +255,10 @@ def measure(case: str, args, model_path=None, variant=None, mode="sync") -> dict
   jax.monitoring.register_event_duration_secs_listener(on_event)
   with tempfile.TemporaryDirectory() as workdir, contextlib.ExitStack() as stack:
     cfg = case_config(case, args, workdir, model_path, mode=mode)
-    if "trim" in variant:
+    batch_fields = {k: variant[k] for k in ("trim", "share_prefix") if k in variant}
+    if batch_fields:
       cfg = dataclasses.replace(cfg, rl=dataclasses.replace(
-          cfg.rl, batch=dataclasses.replace(cfg.rl.batch, trim=variant["trim"])))
+          cfg.rl, batch=dataclasses.replace(cfg.rl.batch, **batch_fields)))
     p = functools.partial(_patch, stack)
     p(trainer_lib, "rl_step", rl_step)
     p(jax_sampler, "_start", start_device)
@@ -394,6 +399,8 @@ def main():
                        "forward every step, kl_every=1), side by side from one warm-start")
   ap.add_argument("--trim", choices=("true", "false"), default=None,
                   help="the after column's rl.batch.trim (default: the config's)")
+  ap.add_argument("--share_prefix", choices=("true", "false"), default=None,
+                  help="the after column's rl.batch.share_prefix (default: the config's)")
   ap.add_argument("--kl_every", type=int, default=None,
                   help="the after column's report-only KL interval (default: rl_step.KL_EVERY)")
   ap.add_argument("--set", action="append", default=[],
@@ -404,6 +411,8 @@ def main():
     after["trim"] = args.trim == "true"
   if args.kl_every is not None:
     after["kl_every"] = args.kl_every
+  if args.share_prefix is not None:
+    after["share_prefix"] = args.share_prefix == "true"
   variants = dict(VARIANTS, after=after)
   rows = []
   for case in args.cases.split(","):
@@ -423,7 +432,7 @@ def main():
   print(f"backend {jax.default_backend()}, {jax.device_count()} device(s); jax sampler")
   groups: dict = {}
   for r in rows:
-    groups.setdefault(r["case"].removesuffix("_before"), []).append(r)
+    groups.setdefault(r["case"].removesuffix("_before").removesuffix("_plain"), []).append(r)
   for name, group in groups.items():
     print(f"\n== {name} ({group[0]['params'] / 1e6:.1f}M parameters) ==")
     print_table(group)
@@ -438,8 +447,9 @@ def main():
             f"{c}_compiles={r['compiles_in_measured_steps']}"]
   by_case = {r["case"]: r for r in rows}
   for c in groups:
-    if c in by_case and f"{c}_before" in by_case:
-      out.append(f"{c}_speedup={by_case[c + '_before']['step_s'] / by_case[c]['step_s']:.2f}")
+    for v in ("before", "plain"):
+      if c in by_case and f"{c}_{v}" in by_case:
+        out.append(f"{c}_{v}_speedup={by_case[f'{c}_{v}']['step_s'] / by_case[c]['step_s']:.2f}")
   print("RESULT " + " ".join(out))
 
 

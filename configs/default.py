@@ -33,7 +33,7 @@ def get_config(engine: str = ""):
   c.rl.rollout.update(group_size=8, max_tokens=12, temperature=1.0)
   c.rl.learner.optimizer.update(learning_rate=1e-4, warmup_steps=5)
   c.rl.loss = dict(eps_low=0.2, eps_high=0.28, aggregation="token_mean")
-  c.rl.batch.update(rows=128, seq_len=32, max_seqs=128, pack=False)
+  c.rl.batch.update(rows=128, seq_len=64, max_seqs=128, pack=False)   # a group: 1 row (batching.py)
   c.eval.update(every_steps=100, samples_per_prompt=4, temperature=1.0, max_tokens=12)
   c.checkpoint.update(every_steps=100, max_to_keep=2)
   if engine:

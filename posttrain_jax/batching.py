@@ -11,6 +11,19 @@ losses give the same value packed or not. Shapes are fixed by the config, so the
 compiles once. Sequences that do not fit are an error naming the trajectory (never truncated:
 that would train on a different sequence than the one graded).
 
+Shared prefixes (`BatchConfig.share_prefix`): the G sequences of one task (same `task_id`)
+begin with the same prompt, which a plain layout computes G times (14 of a tiny arithmetic
+sequence's ~17 positions). When their first L tokens agree and no target among them is
+sampled (loss mask 0), they share them: one prefix segment holds positions 0 .. L-2 (inputs
+tokens[:L-1]; its targets are unmasked prompt tokens), and each sequence's own segment holds
+positions L-1 .. len-2 (inputs tokens[L-1:-1], targets tokens[L:]), with `prefix_ids` naming
+the prefix segment, which the model lets it attend as well (models/decoder.py). Position
+L-1 stays in every branch because its target (the first sampled token) differs. A query in
+a branch thus sees exactly the keys / values it would see unshared (the prefix's do not
+depend on the branches), so log-probs are the same and the gradient is the same sum, with
+(L-1)(G-1) fewer positions computed. A group longer than a row is split into several units,
+each with a copy of the prefix; `pack=False` puts one unit per row.
+
 `fit_shape` then cuts what no sequence uses (RL batches, `BatchConfig.trim`): 64 short
 sequences in configs/default.py's RL shape [128, 32] would make the learner compute 4096
 positions for ~1060 real ones (1536 once cut). Rows and positions are rounded up to
@@ -54,6 +67,51 @@ class BatchConfig:
   pack: bool = True           # several sequences per row; False = one per row
   trim: bool = True           # RL: cut unused rows / positions to a bucket (fit_shape; exact)
   seq_bucket: int = 8         # with trim: the smallest position bucket (buckets: 4 per octave)
+  share_prefix: bool = True   # one task's sequences share their prompt's positions (exact)
+
+
+def shared_prefix_len(trajs: Sequence[Trajectory]) -> int:
+  """L: the number of leading tokens all of `trajs` share that sit before every sampled target
+  (token i is shared only when no trajectory's loss_mask[i] is 1), and that leave each at least
+  one position of its own (L < its length); 0 for fewer than two trajectories."""
+  if len(trajs) < 2:
+    return 0
+  first = trajs[0].token_ids
+  cap = min(len(t.token_ids) for t in trajs) - 1
+  for t in trajs:
+    ones = [i for i, m in enumerate(t.loss_mask) if m]
+    cap = min(cap, ones[0] if ones else cap)
+  n = 0
+  while n < cap and all(t.token_ids[n] == first[n] for t in trajs[1:]):
+    n += 1
+  return n
+
+
+def _units(trajs: Sequence[Trajectory], cfg: BatchConfig) -> list[tuple[int, list[int]]]:
+  """(L, members): what one row segment group holds. L > 1: members share the L - 1 prefix
+  positions and each adds len - L of its own; L = 1: one member, unshared (len - 1 positions).
+  A group too long for a row is split into several units, each with its own prefix copy."""
+  if not cfg.share_prefix:
+    return [(1, [i]) for i in range(len(trajs))]
+  groups: dict[str, list[int]] = {}
+  for i, t in enumerate(trajs):
+    groups.setdefault(t.task_id, []).append(i)
+  units = []
+  for members in groups.values():
+    L = shared_prefix_len([trajs[i] for i in members])
+    if L < 2:
+      units += [(1, [i]) for i in members]
+      continue
+    cur, used = [], L - 1
+    for i in members:
+      n = len(trajs[i].token_ids) - L
+      if cur and used + n > cfg.seq_len:
+        units.append((L, cur))
+        cur, used = [], L - 1
+      cur.append(i)
+      used += n
+    units.append((L, cur))
+  return units
 
 
 def build_batch(trajs: Sequence[Trajectory], advantages: Sequence[float], cfg: BatchConfig,
@@ -66,38 +124,53 @@ def build_batch(trajs: Sequence[Trajectory], advantages: Sequence[float], cfg: B
   r, t = cfg.rows, cfg.seq_len
   f32 = lambda: np.zeros((r, t), np.float32)
   i32 = lambda: np.zeros((r, t), np.int32)
-  inp, tgt, pos, seg, sid = i32(), i32(), i32(), i32(), i32()
+  inp, tgt, pos, seg, sid, pre = i32(), i32(), i32(), i32(), i32(), i32()
   mask, adv, beh = f32(), f32(), f32()
   fill = [0] * r
   nseg = [0] * r
-  order = sorted(range(len(trajs)), key=lambda i: -len(trajs[i].token_ids))
-  for s in order:
-    traj, a = trajs[s], advantages[s]
+  for traj in trajs:
     n = len(traj.token_ids) - 1
     if n < 1:
       raise BatchError(f"trajectory {traj.id!r} has {n + 1} tokens; need at least 2")
     if n > t:
       raise BatchError(f"trajectory {traj.id!r} needs {n} positions > BatchConfig.seq_len={t}")
+  units = _units(trajs, cfg)
+  size = [L - 1 + sum(len(trajs[i].token_ids) - L for i in m) for L, m in units]
+  for u in sorted(range(len(units)), key=lambda u: -size[u]):
+    (L, members), n = units[u], size[u]
     row = next((i for i in range(r) if (fill[i] + n <= t) and (cfg.pack or fill[i] == 0)), None)
     if row is None:
-      raise BatchError(f"trajectory {traj.id!r} does not fit: {len(trajs)} sequences need more "
-                       f"than rows={r} x seq_len={t}")
-    sl = slice(fill[row], fill[row] + n)
-    toks = np.asarray(traj.token_ids, np.int32)
-    inp[row, sl], tgt[row, sl] = toks[:-1], toks[1:]
-    pos[row, sl] = np.arange(n)
-    nseg[row] += 1
-    seg[row, sl] = nseg[row]
-    sid[row, sl] = s
-    mask[row, sl] = np.asarray(traj.loss_mask[1:], np.float32)
-    adv[row, sl] = a
-    beh[row, sl] = np.asarray(traj.behaviour_logprobs[1:], np.float32)
-    fill[row] += n
+      raise BatchError(f"trajectory {trajs[members[0]].id!r} does not fit: {len(trajs)} "
+                       f"sequences need more than rows={r} x seq_len={t}")
+    shared = 0
+    if L > 1:   # the prefix: the shared tokens' positions, no sampled target among them
+      toks = np.asarray(trajs[members[0]].token_ids[:L], np.int32)
+      sl = slice(fill[row], fill[row] + L - 1)
+      inp[row, sl], tgt[row, sl], pos[row, sl] = toks[:-1], toks[1:], np.arange(L - 1)
+      nseg[row] += 1
+      seg[row, sl] = shared = nseg[row]
+      sid[row, sl] = members[0]
+      fill[row] += L - 1
+    for s in members:
+      traj, k = trajs[s], len(trajs[s].token_ids) - L
+      sl = slice(fill[row], fill[row] + k)
+      toks = np.asarray(traj.token_ids[L - 1:], np.int32)
+      inp[row, sl], tgt[row, sl] = toks[:-1], toks[1:]
+      pos[row, sl] = np.arange(L - 1, L - 1 + k)
+      nseg[row] += 1
+      seg[row, sl] = nseg[row]
+      pre[row, sl] = shared
+      sid[row, sl] = s
+      mask[row, sl] = np.asarray(traj.loss_mask[L:], np.float32)
+      adv[row, sl] = advantages[s]
+      beh[row, sl] = np.asarray(traj.behaviour_logprobs[L:], np.float32)
+      fill[row] += k
   valid = np.zeros((cfg.max_seqs,), np.float32)
   valid[:len(trajs)] = 1.0
   return TrainBatch(input_ids=inp, target_ids=tgt, loss_mask=mask, positions=pos,
                     segment_ids=seg, seq_ids=sid, seq_valid=valid, advantages=adv,
-                    behaviour_logp=beh if with_behaviour else None)
+                    behaviour_logp=beh if with_behaviour else None,
+                    prefix_ids=pre if cfg.share_prefix else None)
 
 
 def bucket(n: int, unit: int, cap: int) -> int:

@@ -1,6 +1,6 @@
 """The learner: a jitted, sharded `train_step(state, batch) -> (state, metrics)`.
 
-    hidden = model(input_ids, positions, segment_ids)              [B, T, D]
+    hidden = model(input_ids, positions, segment_ids, prefix_ids)  [B, T, D]
     logp_t = log softmax((hidden_t @ W_head) / tau)[target_t]       fused kernel, no [B, T, V]
     loss, metrics = LOSSES[cfg.loss].fn(logp, batch, loss_cfg)
     grads = sum_k d(loss_k * count_k) / sum_k count_k               exact over micro-batches
@@ -82,7 +82,8 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
 
 def _hidden_and_head(graphdef, params, batch: TrainBatch):
   model: Decoder = nnx.merge(graphdef, params)
-  hidden, _ = model(batch.input_ids, batch.positions, batch.segment_ids)
+  hidden, _ = model(batch.input_ids, batch.positions, batch.segment_ids,
+                    prefix_ids_bt=batch.prefix_ids)
   w, transposed = model.head()
   return hidden.reshape(-1, hidden.shape[-1]), w, transposed
 

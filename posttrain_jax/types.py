@@ -144,7 +144,9 @@ class TrainBatch:
 
   Position t predicts `target_ids[b, t]` from `input_ids[b, :t+1]`. Several sequences may be
   packed in one row: `segment_ids` (0 = padding) keeps attention inside a sequence and
-  `positions` restarts at 0 per sequence. `seq_ids` gives each token the global index of its
+  `positions` restarts at 0 per sequence. `prefix_ids` lets sequences of one group share
+  their prompt's slots (batching.py, `BatchConfig.share_prefix`): a slot also attends the
+  earlier slots of segment `prefix_ids` (0 = none), so a group's prompt is computed once. `seq_ids` gives each token the global index of its
   sequence in `[0, num_seqs)` so sequence-level losses are layout independent (packed ==
   unpacked). Optional log-prob fields are None when a loss does not need them.
   """
@@ -162,6 +164,7 @@ class TrainBatch:
   teacher_logp: Optional[jax.Array] = None     # [B, T] log T(y_t), a teacher's score
   teacher_mask: Optional[jax.Array] = None     # [B, T] 1 where a teacher scored the token
   teacher_hidden: Optional[jax.Array] = None   # [B, T, D] the teacher's final hidden state there
+  prefix_ids: Optional[jax.Array] = None       # int32 [B, T]; shared prefix's segment, 0 = none
 
   @property
   def num_seqs(self) -> int:
@@ -180,7 +183,7 @@ class TrainState:
 
 def np_batch(**fields) -> TrainBatch:
   """Builds a TrainBatch from numpy arrays, casting to the dtypes the learner expects."""
-  ints = {"input_ids", "target_ids", "positions", "segment_ids", "seq_ids"}
+  ints = {"input_ids", "target_ids", "positions", "segment_ids", "seq_ids", "prefix_ids"}
   out = {k: (None if v is None else np.asarray(v, np.int32 if k in ints else np.float32))
          for k, v in fields.items()}
   return TrainBatch(**out)

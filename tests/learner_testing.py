@@ -1,6 +1,12 @@
-"""Helpers for learner tests: a small model and random trajectories."""
+"""Helpers for learner tests: a small model, random trajectories, and a check that two layouts
+of the same sequences train alike."""
+import dataclasses
+
+import jax
 import numpy as np
 
+from posttrain_jax.learner import LearnerConfig, gradients
+from posttrain_jax.losses import get_loss
 from posttrain_jax.models import hf_io
 from posttrain_jax.models.config import ModelConfig
 from posttrain_jax.types import Trajectory
@@ -27,3 +33,35 @@ def random_trajectories(n, seed=0, max_prompt=6, max_completion=9, group=4):
         behaviour_logprobs=[0.0] * p + (-rng.random(c) * 4 - 1).tolist(),
         policy_version=[-1] * p + [0] * c, reward=float(rng.integers(0, 2))))
   return out
+
+
+def with_scored_fields(batch, seed=0, hidden=CFG.hidden_size):
+  """`batch` with every optional field filled as the learner / teacher fill them: values on
+  the sampled targets, 0 elsewhere; teacher_hidden is [B, T, D]."""
+  rng = np.random.default_rng(seed)
+  m = np.asarray(batch.loss_mask)
+  logp = lambda: (-rng.random(m.shape) * 3 - 0.1).astype(np.float32) * m
+  return dataclasses.replace(
+      batch, old_logp=logp(), ref_logp=logp(), teacher_logp=logp(), teacher_mask=m.copy(),
+      teacher_hidden=(rng.normal(size=(*m.shape, hidden)) * m[..., None]).astype(np.float32))
+
+
+def grads(params, batch, kw):
+  return jax.jit(lambda p, b: gradients(p, b, **kw))(params, batch)
+
+
+def assert_same_training(full, small, name, loss_cfg, logprob_impl="auto"):
+  """Loss, metrics and gradients of `small` equal `full`'s; returns full's loss."""
+  from flax import nnx
+  graphdef, params = nnx.split(small_model(), nnx.Param)
+  params = nnx.to_pure_dict(params)
+  kw = dict(graphdef=graphdef, spec=get_loss(name), loss_cfg=loss_cfg,
+            cfg=LearnerConfig(loss=name, logprob_impl=logprob_impl))
+  (g_full, m_full), (g_small, m_small) = grads(params, full, kw), grads(params, small, kw)
+  assert set(m_small) == set(m_full)
+  for k in m_full:
+    np.testing.assert_allclose(np.asarray(m_small[k]), np.asarray(m_full[k]), rtol=1e-5,
+                               atol=1e-7, err_msg=k)
+  for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_small)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-7)
+  return float(m_full["loss"][0])

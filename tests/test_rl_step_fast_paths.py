@@ -14,7 +14,7 @@ import pytest
 from posttrain_jax import batching
 from posttrain_jax.advantages import AdvantageConfig
 from posttrain_jax.kernels import lm_head
-from posttrain_jax.learner import Learner, LearnerConfig, OptimizerConfig, gradients
+from posttrain_jax.learner import Learner, LearnerConfig, OptimizerConfig
 from posttrain_jax.losses import FullDistillConfig, GRPOConfig, GSPOConfig, M2POConfig, get_loss
 from posttrain_jax.metrics import MetricsWriter, plot_run, read_metrics
 from posttrain_jax.rl_step import rl_step
@@ -22,7 +22,8 @@ from posttrain_jax.sharding import MeshConfig, make_mesh
 from posttrain_jax.models import hf_io
 from posttrain_jax.types import TrainBatch, Trajectory
 from tests.distributed_testing import run_processes
-from tests.learner_testing import CFG, VOCAB, random_trajectories, small_model
+from tests.learner_testing import (CFG, VOCAB, assert_same_training, grads, random_trajectories,
+                                   small_model, with_scored_fields)
 
 FULL = batching.BatchConfig(rows=32, seq_len=40, max_seqs=32, pack=False, trim=False)
 
@@ -32,17 +33,6 @@ def _batch(n=12, pack=False, seed=0):
   adv = np.random.default_rng(seed).normal(size=n).tolist()
   cfg = dataclasses.replace(FULL, pack=pack)
   return batching.build_batch(trajs, adv, cfg)
-
-
-def _with_scored_fields(batch, seed=0, hidden=CFG.hidden_size):
-  """`batch` with every optional field filled as the learner / teacher fill them: values on
-  the sampled targets, 0 elsewhere; teacher_hidden is [B, T, D]."""
-  rng = np.random.default_rng(seed)
-  m = np.asarray(batch.loss_mask)
-  logp = lambda: (-rng.random(m.shape) * 3 - 0.1).astype(np.float32) * m
-  return dataclasses.replace(
-      batch, old_logp=logp(), ref_logp=logp(), teacher_logp=logp(), teacher_mask=m.copy(),
-      teacher_hidden=(rng.normal(size=(*m.shape, hidden)) * m[..., None]).astype(np.float32))
 
 
 def _allowed_sizes(unit, cap):
@@ -65,7 +55,7 @@ def test_bucket_is_the_smallest_allowed_size_and_keeps_at_most_a_quarter():
 
 @pytest.mark.parametrize("pack", [False, True])
 def test_fit_shape_cuts_only_padding_to_buckets(pack):
-  full = _with_scored_fields(_batch(pack=pack))
+  full = with_scored_fields(_batch(pack=pack))
   small = batching.fit_shape(full, row_multiple=8, seq_bucket=8)
   r, t = small.input_ids.shape
   used = np.asarray(full.segment_ids) > 0
@@ -116,31 +106,10 @@ LOSS_CASES = [
 @pytest.mark.parametrize("name,loss_cfg", LOSS_CASES,
                          ids=[f"{n}-{i}" for i, (n, _) in enumerate(LOSS_CASES)])
 def test_trimmed_batch_has_the_padded_batchs_loss_and_gradients(name, loss_cfg):
-  full = _with_scored_fields(_batch(pack=True))
+  full = with_scored_fields(_batch(pack=True))
   small = batching.fit_shape(full, row_multiple=8)
   assert np.prod(small.input_ids.shape) < np.prod(full.input_ids.shape) / 2
-  assert _assert_same_training(full, small, name, loss_cfg) != 0
-
-
-def _grads(params, batch, kw):
-  return jax.jit(lambda p, b: gradients(p, b, **kw))(params, batch)
-
-
-def _assert_same_training(full, small, name, loss_cfg, logprob_impl="auto"):
-  """Loss, metrics and gradients of `small` equal `full`'s; returns full's loss."""
-  from flax import nnx
-  graphdef, params = nnx.split(small_model(), nnx.Param)
-  params = nnx.to_pure_dict(params)
-  kw = dict(graphdef=graphdef, spec=get_loss(name), loss_cfg=loss_cfg,
-            cfg=LearnerConfig(loss=name, logprob_impl=logprob_impl))
-  (g_full, m_full), (g_small, m_small) = _grads(params, full, kw), _grads(params, small, kw)
-  assert set(m_small) == set(m_full)
-  for k in m_full:
-    np.testing.assert_allclose(np.asarray(m_small[k]), np.asarray(m_full[k]), rtol=1e-5,
-                               atol=1e-7, err_msg=k)
-  for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_small)):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-7)
-  return float(m_full["loss"][0])
+  assert assert_same_training(full, small, name, loss_cfg) != 0
 
 
 @pytest.mark.parametrize("impl", ["reference", "pallas_gpu", "pallas_tpu"])
@@ -154,7 +123,7 @@ def test_trimmed_batch_trains_alike_through_each_lm_head_kernel(impl):
   if impl == "pallas_tpu":
     assert n % lm_head.default_block_sizes(impl).block_n and n > lm_head.default_block_sizes(
         impl).block_n
-  _assert_same_training(full, small, "grpo", GRPOConfig(), logprob_impl=impl)
+  assert_same_training(full, small, "grpo", GRPOConfig(), logprob_impl=impl)
 
 
 def test_the_padded_vs_trimmed_comparison_sees_one_cut_token():
@@ -169,7 +138,7 @@ def test_the_padded_vs_trimmed_comparison_sees_one_cut_token():
   kw = dict(graphdef=graphdef, spec=get_loss("grpo"),
             loss_cfg=GRPOConfig(aggregation="token_mean"), cfg=LearnerConfig(loss="grpo"))
   params = nnx.to_pure_dict(params)
-  (g_full, m_full), (g_cut, m_cut) = _grads(params, full, kw), _grads(params, cut, kw)
+  (g_full, m_full), (g_cut, m_cut) = grads(params, full, kw), grads(params, cut, kw)
   lost = float(np.asarray(full.loss_mask)[:, used_len - 1].sum())
   assert lost >= 1 and float(m_cut["loss"][1]) == float(m_full["loss"][1]) - lost  # token count
   assert not np.isclose(float(m_cut["loss"][0]), float(m_full["loss"][0]), rtol=1e-5)

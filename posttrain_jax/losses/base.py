@@ -59,8 +59,10 @@ Metrics = dict[str, tuple[jax.Array, jax.Array]]
 LossFn = Callable[..., tuple[jax.Array, Metrics]]
 Inputs = Union[Callable[[Any], Iterable[str]], tuple[str, ...]]
 
-# The TrainBatch fields a loss may need: the optional (default None) ones.
-OPTIONAL_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainBatch) if f.default is None)
+# The TrainBatch fields a loss may need: the optional (default None) ones, less the optional
+# layout (prefix_ids: which slots a position attends, read by the model, never by a loss).
+OPTIONAL_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainBatch)
+                            if f.default is None and f.name != "prefix_ids")
 
 
 def _checked_fields(loss: str, names: Iterable[str]) -> frozenset[str]:

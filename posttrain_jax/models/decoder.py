@@ -7,9 +7,11 @@
 
 Attention is grouped-query (H query heads share H/KV key/value heads), with RoPE on q and k
 (after a per-head RMSNorm in Qwen3). One mask serves training and decoding: a query at
-slot i attends to key slot j iff j <= i, both carry the same non-zero segment id. Packed
-sequences therefore never see each other, padding (segment 0) is never attended, and a
-KV cache is just more key slots, written at `cache.index`.
+slot i attends to key slot j iff j <= i, both carry the same non-zero segment id -- or key
+j's segment is query i's shared prefix (`prefix_ids[i]`, training only: the sequences of a
+group attend one copy of their prompt, batching.py). Packed sequences therefore never see
+each other, padding (segment 0) is never attended, and a KV cache is just more key slots,
+written at `cache.index`.
 
 Module and parameter names mirror HF's checkpoint names (`model.layers.3.self_attn.q_proj`),
 so HF I/O is a mechanical rename plus a transpose of each `kernel` ([in, out] here,
@@ -191,8 +193,10 @@ class Decoder(nnx.Module):
 
   def __call__(self, input_ids_bt: jax.Array, positions_bt: jax.Array,
                segment_ids_bt: Optional[jax.Array] = None,
-               cache: Optional[KVCache] = None) -> tuple[jax.Array, Optional[KVCache]]:
-    """Final hidden states [B, T, D] (compute dtype) and the updated cache (or None)."""
+               cache: Optional[KVCache] = None,
+               prefix_ids_bt: Optional[jax.Array] = None) -> tuple[jax.Array, Optional[KVCache]]:
+    """Final hidden states [B, T, D] (compute dtype) and the updated cache (or None).
+    `prefix_ids_bt`: per query slot, a segment whose earlier slots it also attends (0 = none)."""
     cfg = self.cfg
     b, t = input_ids_bt.shape
     if segment_ids_bt is None:
@@ -205,8 +209,10 @@ class Decoder(nnx.Module):
     else:
       kv_seg = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids_bt, (0, cache.index))
       q_slot, kv_slot = cache.index + jnp.arange(t), jnp.arange(cache.max_len)
-    mask = ((segment_ids_bt[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)
-            & (q_slot[:, None] >= kv_slot[None, :])[None])
+    same = segment_ids_bt[:, :, None] == kv_seg[:, None, :]
+    if prefix_ids_bt is not None:
+      same = same | (prefix_ids_bt[:, :, None] == kv_seg[:, None, :])
+    mask = same & (kv_seg[:, None, :] != 0) & (q_slot[:, None] >= kv_slot[None, :])[None]
     if cache is None:
       call = nnx.remat(_block_call) if cfg.remat else _block_call
       for layer in self.layers:
