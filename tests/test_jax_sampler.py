@@ -106,3 +106,19 @@ def test_too_long_prompt_is_named(model):
   with pytest.raises(PromptTooLongError, match="prompt 1 has 7 tokens.*max_prompt_len") as e:
     sampler.generate(PROMPTS, SamplingParams(max_tokens=2))
   assert e.value.index == 1
+
+
+def test_once_per_prompt_prefill_samples_what_n_copies_do(model):
+  """n completions of a prompt share one prefill (its KV cache repeated n times); the slow path,
+  the prompt written out n times with n=1, prefills every copy: same rows, same random stream,
+  so the same tokens and log-probs."""
+  sampler = JaxSampler(model)
+  sp = SamplingParams(max_tokens=10, temperature=1.0)
+  fast = sampler.generate(PROMPTS, sp, n=3, seed=5)
+  slow = sampler.generate([p for p in PROMPTS for _ in range(3)], sp, n=1, seed=5)
+  fast = [c for comps in fast for c in comps]
+  slow = [comps[0] for comps in slow]
+  assert [c.token_ids for c in fast] == [c.token_ids for c in slow]
+  assert len({tuple(c.token_ids) for c in fast}) > 3  # the copies of a prompt did differ
+  np.testing.assert_allclose(np.concatenate([c.logprobs for c in fast]),
+                             np.concatenate([c.logprobs for c in slow]), atol=2e-5)

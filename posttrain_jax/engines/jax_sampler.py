@@ -1,7 +1,9 @@
 """Embedded sampler: batched, jitted decoding with a KV cache on the learner's own params.
 
 Prompts are left-padded to a bucketed length P (padding has segment id 0, so it is never
-attended) and replicated n times; one jitted call runs the prefill, a second a `while_loop` of
+attended); one jitted call runs the prefill of each distinct prompt once and replicates its KV
+cache and first logits n times (the n rows of a prompt would compute the same prefill: a
+group of 8 costs one prompt forward, not 8), a second a `while_loop` of
 single-token steps until every row has sampled a stop token or `max_tokens` tokens (`stream`:
 the same loop in calls of a few steps, for a server that streams tokens as they are sampled).
 
@@ -36,7 +38,7 @@ from flax import nnx
 
 from posttrain_jax.engines.base import Completion, PromptTooLongError, SamplingParams
 from posttrain_jax.engines.registry import EngineContext, register_engine
-from posttrain_jax.models.decoder import Decoder, init_cache
+from posttrain_jax.models.decoder import Decoder, KVCache, init_cache
 from posttrain_jax.models.weights import as_params
 from posttrain_jax.multihost import all_gather_json, put_global
 
@@ -76,17 +78,22 @@ def _sample(logits_bv, rng, sp: SamplingParams):
   return ids, jnp.take_along_axis(logp, ids[:, None], -1)[:, 0]
 
 
-def _prefill(model: Decoder, prompt_bp, seg_bp, rng, filler_b, sp: SamplingParams):
+def _prefill(model: Decoder, prompt_bp, seg_bp, rng, filler_b, sp: SamplingParams, n: int):
   """The decode state after the prompt: (step, cache, logits, tokens, logps, lengths, done,
-  rng, pos). Filler rows (`filler_b`: the batch bucket's padding) start done, so the loop ends
+  rng, pos), for the n copies of each of the `prompt_bp` rows (row i of the state is prompt
+  i // n). Filler rows (`filler_b`: the batch bucket's padding) start done, so the loop ends
   when the real rows have stopped (each row's draws do not depend on the others')."""
-  b, p = prompt_bp.shape
-  cache = init_cache(model.cfg, b, p + sp.max_tokens)
+  u, p = prompt_bp.shape
+  b = u * n
+  cache = init_cache(model.cfg, u, p + sp.max_tokens)
   pos_bp = jnp.maximum(jnp.cumsum(seg_bp, axis=1) - 1, 0)
   hidden, cache = model(prompt_bp, pos_bp, seg_bp, cache)
-  return (jnp.zeros((), jnp.int32), cache, model.logits(hidden[:, -1]),
+  rep = lambda x: jnp.repeat(x, n, axis=0) if n > 1 else x
+  cache = KVCache(k=tuple(map(rep, cache.k)), v=tuple(map(rep, cache.v)),
+                  segment_ids=rep(cache.segment_ids), index=cache.index)
+  return (jnp.zeros((), jnp.int32), cache, rep(model.logits(hidden[:, -1])),
           jnp.zeros((b, sp.max_tokens), jnp.int32), jnp.zeros((b, sp.max_tokens), jnp.float32),
-          jnp.zeros((b,), jnp.int32), filler_b, rng, jnp.sum(seg_bp, axis=1))
+          jnp.zeros((b,), jnp.int32), filler_b, rng, rep(jnp.sum(seg_bp, axis=1)))
 
 
 def _decode(model: Decoder, carry, until, sp: SamplingParams):
@@ -117,10 +124,10 @@ def _decode(model: Decoder, carry, until, sp: SamplingParams):
 # the end in one call; `stream` in calls of a few steps, reading the tokens between them. Both
 # run the same programs on the same random stream, so a stream samples what a whole answer does.
 # The decode state (KV cache included) stays on the device between the calls.
-@functools.partial(jax.jit, static_argnames=("graphdef", "sp"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sp", "n"))
 def _start(graphdef: "_Static", params, prompt_bp, seg_bp, rng, filler_b, *,
-           sp: SamplingParams):
-  return _prefill(nnx.merge(graphdef.value, params), prompt_bp, seg_bp, rng, filler_b, sp)
+           sp: SamplingParams, n: int = 1):
+  return _prefill(nnx.merge(graphdef.value, params), prompt_bp, seg_bp, rng, filler_b, sp, n)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sp"), donate_argnums=(2,))
@@ -176,9 +183,10 @@ class JaxSampler:
     return int(np.random.SeedSequence(seed).generate_state(1)[0] if seed is not None
                else np.random.randint(2**31))
 
-  def _layout(self, rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Left-padded ids and segment ids of `rows`, bucketed (module docstring)."""
-    b = _round_up(len(rows), self.cfg.batch_bucket)
+  def _layout(self, rows: list[list[int]], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded ids and segment ids of the distinct prompts `rows`, each to be decoded n
+    times: ceil(B / n) rows, B = the n·len(rows) decode rows rounded up to the batch bucket."""
+    b = -(-_round_up(len(rows) * n, self.cfg.batch_bucket) // n)
     p = _round_up(max(len(r) for r in rows), self.cfg.prompt_bucket)
     ids = np.full((b, p), self.cfg.pad_id, np.int32)
     seg = np.zeros((b, p), np.int32)
@@ -197,17 +205,17 @@ class JaxSampler:
       prompts, mine, seed = _job_prompts(prompts, n, seed)
     if not prompts:
       return []
-    rows = [list(p) for p in prompts for _ in range(n)]
-    ids, seg = self._layout(rows)
+    ids, seg = self._layout([list(p) for p in prompts], n)
+    rows = len(prompts) * n
     # Params and version are read together once: weights installed by another thread while this
     # call decodes do not relabel its tokens with the newer version.
     params, version = self._snapshot()
-    carry = _start(self._static, params, *_inputs(params, ids, seg, seed, len(rows)),
-                   sp=sampling)
+    carry = _start(self._static, params, *_inputs(params, ids, seg, seed, rows, n),
+                   sp=sampling, n=n)
     carry = _continue(self._static, params, carry, sampling.max_tokens, sp=sampling)
     tokens, logps, lengths, done = _fetch(carry[3:7])
     out = []
-    for r in range(len(rows)):
+    for r in range(rows):
       n_tok = int(lengths[r])
       out.append(Completion(token_ids=tokens[r, :n_tok].tolist(),
                             logprobs=logps[r, :n_tok].astype(float).tolist(),
@@ -226,11 +234,10 @@ class JaxSampler:
     if jax.process_count() > 1:
       raise NotImplementedError("JaxSampler.stream runs in one process (the proxy's)")
     seed = self._check([prompt], seed)
-    rows = [list(prompt)] * n
-    ids, seg = self._layout(rows)
+    ids, seg = self._layout([list(prompt)], n)
     params, version = self._snapshot()
-    carry = _start(self._static, params, *_inputs(params, ids, seg, seed, len(rows)),
-                   sp=sampling)
+    carry = _start(self._static, params, *_inputs(params, ids, seg, seed, n, n),
+                   sp=sampling, n=n)
     toks: list[list[int]] = [[] for _ in range(n)]
     lps: list[list[float]] = [[] for _ in range(n)]
     step = 0
@@ -266,12 +273,12 @@ def _job_prompts(prompts, n: int, seed: int) -> tuple[list[list[int]], list[int]
           [k for k, (i, _) in enumerate(order) if i == me], everyone[0]["seed"])
 
 
-def _inputs(params, ids, seg, seed: int, real: int):
-  """(prompt ids, segment ids, PRNG key, filler rows) for `_start` (rows past `real` are
-  fillers); several processes: laid out replicated over the params' mesh (this process's arrays
+def _inputs(params, ids, seg, seed: int, real: int, n: int):
+  """(prompt ids, segment ids, PRNG key, filler rows) for `_start` (of the n·len(ids) decode
+  rows, those past `real` are fillers); several processes: laid out replicated over the params' mesh (this process's arrays
   alone cannot enter a job's program)."""
   rng = jax.random.key(seed)
-  filler = np.arange(ids.shape[0]) >= real
+  filler = np.arange(ids.shape[0] * n) >= real
   if jax.process_count() == 1:
     return ids, seg, rng, filler
   mesh = next(x.sharding.mesh for x in jax.tree.leaves(params)
