@@ -242,9 +242,11 @@ async def _stream(proxy: Proxy, req: api.Request, prompt, end: dict, chat: bool)
                                        for c in choices]}) + "\n\n"
     if req.include_usage:
       yield api.chunk(call_id, req.model, created, [], usage=resp["usage"])
-    yield "data: [DONE]\n\n"
+    # Recorded before the last line: a client that has read [DONE] and then posts a grade for
+    # this call (or reads the store) finds it complete, not still open.
     proxy.end(status="complete", choices=choices, response=resp, prompt=prompt, **end)
     ended = True
+    yield "data: [DONE]\n\n"
   finally:
     if not ended:  # the client left (or the proxy is stopping) before the stream ended
       proxy.end(status="incomplete", reason="client_disconnected", **end)
