@@ -44,7 +44,8 @@ def test_report_takes_medians_over_seeds(tmp_path, monkeypatch, capsys, with_trl
   monkeypatch.setattr(mod, "run_trl", _scripted(mod, _TRL, "trl"))
   monkeypatch.setattr(mod, "trl_available", lambda: with_trl)
   out = tmp_path / "r.json"
-  mod.main(["--seeds", "0,1,2", "--work", str(tmp_path), "--out", str(out)])
+  mod.main(["--seeds", "0,1,2", "--targets", "0.5,0.7", "--work", str(tmp_path),
+            "--out", str(out)])
   lines = capsys.readouterr().out.strip().splitlines()
   # ours to 0.7: 10, 18, inf -> median 18; s/step: medians 0.4, 0.5, 0.3 (the compile step
   # left out) -> 0.4. TRL: 20, 30, 40 -> 30; s/step 1.0, 1.5, 2.0 -> 1.5; speedup 30 / 18
@@ -61,6 +62,9 @@ def test_report_takes_medians_over_seeds(tmp_path, monkeypatch, capsys, with_trl
   assert [r["s_to_target"]["0.7"] for r in ours] == [10.0, 18.0, math.inf]
   assert ours[0]["completions_per_s"] == pytest.approx(64 / 0.4)
   assert len(report["runs"]) == (6 if with_trl else 3)
+  if with_trl:   # odd seeds run TRL first (neither side always gets the warmer machine)
+    assert [(r["who"], r["seed"]) for r in report["runs"]] == [
+        ("ours", 0), ("trl", 0), ("trl", 1), ("ours", 1), ("ours", 2), ("trl", 2)]
 
 
 def test_trl_side_on_a_tiny_model(tmp_path):
