@@ -167,10 +167,11 @@ def build_batch(trajs: Sequence[Trajectory], advantages: Sequence[float], cfg: B
       fill[row] += k
   valid = np.zeros((cfg.max_seqs,), np.float32)
   valid[:len(trajs)] = 1.0
+  # prefix_ids only where a prefix is shared: a batch with none is the unshared program
   return TrainBatch(input_ids=inp, target_ids=tgt, loss_mask=mask, positions=pos,
                     segment_ids=seg, seq_ids=sid, seq_valid=valid, advantages=adv,
                     behaviour_logp=beh if with_behaviour else None,
-                    prefix_ids=pre if cfg.share_prefix else None)
+                    prefix_ids=pre if pre.any() else None)
 
 
 def bucket(n: int, unit: int, cap: int) -> int:
