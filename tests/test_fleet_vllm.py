@@ -22,6 +22,7 @@ from posttrain_jax.models import hf_io
 from tests import vllm_testing as vt
 
 PROMPTS = [[3, 4, 5], list(range(40, 57)), [7], [9, 9, 2, 11]]
+LONG = 480  # tokens: the longest prompt (17) + 480 fits max_model_len=512
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +87,20 @@ def test_a_killed_server_is_taken_out_and_its_prompts_are_errors(fleet):
   victim = servers[1]
   result = {}
 
+  # As long as the context allows (512 - the 17-token prompt); the kill lands once both servers
+  # hold requests of this call (the fleet's in-flight count), not after a fixed sleep: CI's
+  # machine finished 32 completions of 200 tokens inside the 1.5 s this test once slept, and
+  # nothing was in flight at the kill.
   def long_generate():
-    result["out"] = engine.generate(PROMPTS * 2, SamplingParams(max_tokens=200), n=4, seed=3)
+    result["out"] = engine.generate(PROMPTS * 2, SamplingParams(max_tokens=LONG), n=4, seed=3)
 
   t = threading.Thread(target=long_generate)
   t.start()
-  time.sleep(1.5)                # both servers are decoding
+  t0 = time.monotonic()
+  while not all(s["load"] for s in engine.servers()):
+    assert t.is_alive() and time.monotonic() < t0 + 120, "both servers never held requests at once"
+    time.sleep(0.005)
+  at = time.monotonic() - t0
   first = victim.proc.pid
   os.killpg(first, signal.SIGKILL)
   t.join(300)
@@ -99,11 +108,11 @@ def test_a_killed_server_is_taken_out_and_its_prompts_are_errors(fleet):
   comps = [c for x in result["out"] for c in x]
   errors = [c for c in comps if c.finish_reason == "error"]
   whole = [c for c in comps if c.finish_reason == "length"]
-  print(f"\nat the kill: {len(errors)} error completions, {len(whole)} whole; "
+  print(f"\nkilled {at:.3f} s into the call: {len(errors)} error completions, {len(whole)} whole; "
         f"{engine.servers()[1]['why'][:120]}")
   assert errors and whole and len(errors) + len(whole) == len(comps)
   assert all(c.token_ids == [] and c.logprobs == [] for c in errors)
-  assert all(len(c.token_ids) == 200 for c in whole)
+  assert all(len(c.token_ids) == LONG for c in whole)
   assert [s["up"] for s in engine.servers()] == [True, False]
   assert engine.metrics()["fleet/servers_up"] == 1
 

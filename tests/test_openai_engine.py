@@ -109,11 +109,11 @@ def test_in_flight_requests_at_a_weight_change(live, policy):
     if policy == "cut":
       # hold the server's running requests where they are (they would otherwise finish ~2 s
       # later, which can be before the checkpoint is written), so the cut finds them mid-way
-      while _requests_running(m["server"].url) == 0:
+      while vt.requests_running(m["server"].url) == 0:
         time.sleep(0.01)
       time.sleep(0.1)  # a few dozen tokens in
       _call(m["server"].url, "/pause?mode=keep")
-      assert _requests_running(m["server"].url) == 32
+      assert vt.requests_running(m["server"].url) == 32
     else:
       time.sleep(0.2)
     engine.update_weights(new, version=v + 1)
@@ -136,14 +136,6 @@ def test_in_flight_requests_at_a_weight_change(live, policy):
   after = engine.generate(PROMPTS, SamplingParams(max_tokens=4), seed=1)
   assert {c.version for x in after for c in x} == {v + 1}
   engine.update_weights(start, version=v + 2)  # back to the start weights for the other tests
-
-
-def _requests_running(url: str) -> float:
-  """vllm:num_requests_running from the server's Prometheus /metrics."""
-  import urllib.request
-  text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-  return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-             if line.startswith("vllm:num_requests_running"))
 
 
 def _call(url: str, path: str) -> None:

@@ -29,6 +29,14 @@ def needs_vllm(test):
   return pytest.mark.vllm(test)
 
 
+def requests_running(url: str) -> float:
+  """vllm:num_requests_running from the server's Prometheus /metrics."""
+  import urllib.request
+  text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+  return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+             if line.startswith("vllm:num_requests_running"))
+
+
 @contextlib.contextmanager
 def vllm_environment(root: pathlib.Path):
   """Every cache, socket and temp file of vLLM (and its children) under `root`; restored after."""
