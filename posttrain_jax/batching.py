@@ -43,6 +43,10 @@ Multi-process: every process must feed the jitted step the same shape, so the sh
 come from one host's rows alone: `agree` maps this process's shape to the job's (rl_step
 passes multihost.max_over_processes, an all-gather of the two ints), a shape every process
 computes identically.
+
+`ShapeReuse` (the trainer's RL phase) then picks the compiled shape a trimmed batch runs in:
+the smallest already compiled one that holds it, within `shape_slack` × its positions, so a
+step that dropped a group does not compile a program for one row fewer (see the class).
 """
 from __future__ import annotations
 
@@ -68,6 +72,8 @@ class BatchConfig:
   trim: bool = True           # RL: cut unused rows / positions to a bucket (fit_shape; exact)
   seq_bucket: int = 8         # with trim: the smallest position bucket (buckets: 4 per octave)
   share_prefix: bool = True   # one task's sequences share their prompt's positions (exact)
+  shape_slack: float = 2.0    # with trim: run in a compiled shape of up to this x the positions
+                              # (ShapeReuse; 1 = every bucket its own program)
 
 
 def shared_prefix_len(trajs: Sequence[Trajectory]) -> int:
@@ -214,6 +220,63 @@ def fit_shape(batch: TrainBatch, row_multiple: int, seq_bucket: int = 8,
     return x if x is None or name == "seq_valid" else np.asarray(x)[:r, :t]
   return TrainBatch(**{f.name: cut(f.name, getattr(batch, f.name))
                        for f in dataclasses.fields(batch)})
+
+
+class ShapeReuse:
+  """The trimmed shapes the learner has compiled, and which one a batch runs in.
+
+  Each new (rows, positions) is a new XLA program: ~2.5 s to compile the tiny model's train
+  step on this 2-core CPU, ~35 of its steps. A GRPO batch's rows move with the groups a step
+  drops (zero variance: 5, 6, 7 of 8 rows) and its positions with the completion lengths, so
+  bucketing alone compiled a program for most of those combinations. `choose(own)` instead:
+
+    1. the smallest compiled shape that holds `own` (≥ in both), if its area is at most
+       `slack` × own's (the padding costs at most (slack - 1) × the step's compute) and `own`
+       has run padded fewer than `rebuy_after` times (then it gets its own program: a shape
+       that keeps coming back is worth its compile);
+    2. else a new shape (max(rows, the most rows compiled), positions): a row count seen
+       before is likely again, at any length, so one longer program serves both.
+
+  Exact like fit_shape (only padding is added back). Deterministic in the shapes it is given,
+  so every process picks the same one from the agreed shape, and a resumed run picks what the
+  uninterrupted one did from the checkpointed `state()`.
+  """
+
+  def __init__(self, slack: float = 2.0, rebuy_after: int = 16,
+               state: Optional[dict] = None):
+    self.slack, self.rebuy_after = float(slack), int(rebuy_after)
+    state = state or {}
+    self.compiled: list[tuple[int, int]] = [tuple(s) for s in state.get("compiled", [])]
+    self.padded_runs: dict[tuple[int, int], int] = {
+        tuple(int(x) for x in k.split("x")): int(v) for k, v in state.get("padded", {}).items()}
+    self.last_padding = 0.0
+
+  def choose(self, own: Sequence[int]) -> tuple[int, int]:
+    r, t = (int(x) for x in own)
+    covers = [s for s in self.compiled if s[0] >= r and s[1] >= t]
+    if covers:
+      best = min(covers, key=lambda s: (s[0] * s[1], s))
+      if best == (r, t):
+        self.last_padding = 0.0
+        return best
+      if (best[0] * best[1] <= self.slack * r * t
+          and self.padded_runs.get((r, t), 0) < self.rebuy_after):
+        self.padded_runs[(r, t)] = self.padded_runs.get((r, t), 0) + 1
+        self.last_padding = 1.0 - r * t / (best[0] * best[1])
+        return best
+    rows = max([r] + [s[0] for s in self.compiled]) if not covers else r
+    new = (rows, t)
+    self.compiled.append(new)
+    self.last_padding = 1.0 - r * t / (rows * t)
+    return new
+
+  def state(self) -> dict:
+    return {"compiled": [list(s) for s in self.compiled],
+            "padded": {f"{r}x{t}": n for (r, t), n in self.padded_runs.items()}}
+
+  def metrics(self) -> dict[str, float]:
+    return {"batch/shapes_compiled": float(len(self.compiled)),
+            "batch/shape_padding_frac": self.last_padding}
 
 
 def sft_trajectory(prompt_ids: Sequence[int], answer_ids: Sequence[int], tid: str,

@@ -9,7 +9,8 @@
                                                   (filter/ungraded_frac: out of the RL term)
     batch = pack(kept trajectories, adv)          then fit_shape: unused rows / positions cut
                                                   to a bucket (batch_cfg.trim; exact,
-                                                  batching.py), one shape on every process
+                                                  batching.py), one shape on every process,
+                                                  or a compiled shape that holds it (`shapes`)
     fill exactly the log-prob fields the loss declares it needs (LossSpec.needs), plus
         old_logp when update_epochs > 1 (the PPO ratio's denominator across epochs) and
         ref_logp when a reference is given only to report a KL: then at versions
@@ -59,10 +60,13 @@ class StepResult:
 def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageConfig,
             batch_cfg: batching.BatchConfig, update_epochs: int = 1,
             baseline: Optional[BaselineState] = None, reference: Any = None,
-            teacher: Any = None, kl_every: int = KL_EVERY) -> StepResult:
+            teacher: Any = None, kl_every: int = KL_EVERY,
+            shapes: Optional[batching.ShapeReuse] = None) -> StepResult:
   """Runs one step (see the module docstring); `reference` = frozen params for ref_logp;
   `teacher` = a teacher.SelfTeacher for teacher_logp / teacher_mask; `kl_every`: a reference
-  the loss does not need is scored (the `kl` metric) when version % kl_every == 0."""
+  the loss does not need is scored (the `kl` metric) when version % kl_every == 0;
+  `shapes`: the run's compiled trimmed shapes (batching.ShapeReuse), else each batch runs in
+  its own bucket."""
   t0 = time.perf_counter()
   source.update_weights(learner.params, version=version)
   t_sync = time.perf_counter() - t0
@@ -74,13 +78,17 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
   keep = [t for t, k in zip(trajs, adv.keep) if k]
   metrics: dict[str, float] = {}
   teacher_metrics: dict[str, float] = {}
+  shape_metrics: dict[str, float] = {}
   t1 = time.perf_counter()
   train = max_over_processes([len(keep)])[0] > 0   # the job's decision (module docstring)
   if train:
     batch = batching.build_batch(keep, adv.advantages[adv.keep].tolist(), batch_cfg)
     if batch_cfg.trim:   # a collective with several processes, like learner.step below
-      batch = batching.fit_shape(batch, learner.row_multiple, batch_cfg.seq_bucket,
-                                 agree=max_over_processes)
+      agree = (max_over_processes if shapes is None
+               else lambda own: shapes.choose(max_over_processes(own)))
+      batch = batching.fit_shape(batch, learner.row_multiple, batch_cfg.seq_bucket, agree=agree)
+      if shapes is not None:
+        shape_metrics = shapes.metrics()
     if update_epochs > 1:
       needs.add("old_logp")
     if "ref_logp" in needs and reference is None:
@@ -119,6 +127,7 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
       "time/update_weights_s": t_sync, "time/generate_s": t_gen, "time/train_s": t_train,
   })
   metrics.update(teacher_metrics)
+  metrics.update(shape_metrics)
   metrics.update(episode_signals(trajs))
   metrics["filter/zero_var_group_frac"] = metrics["zero_var_group_frac"]
   metrics["filter/ungraded_frac"] = adv.stats["ungraded_frac"]

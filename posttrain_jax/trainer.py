@@ -147,6 +147,7 @@ class Trainer:
     self.rewards: list[float] = []
     self.heldout_before: Optional[dict] = None
     self.baseline = BaselineState()
+    self.shapes = batching.ShapeReuse(cfg.rl.batch.shape_slack)  # the RL step's compiled shapes
     self._source = None                       # the RL phase's rollout source (sync or async)
     self._teacher_obj: Optional[SelfTeacher] = None  # the RL phase's teacher (its EMA is saved)
     self._engine_obj = None                   # the RL phase's engine (closed at the end)
@@ -241,6 +242,7 @@ class Trainer:
             "rollouts": self._source.state() if self._source is not None else self._source_state,
             "baseline": {"task_means": dict(self.baseline.task_means),
                          "global_mean": self.baseline.global_mean},
+            "shapes": self.shapes.state(),
             "metrics_rows": self._writer.rows if self._writer is not None else None,
             "time_totals": {"train_s": self.train_s, "eval_s": self.eval_s},
             "stopped": self.stopped,
@@ -449,7 +451,8 @@ class Trainer:
       t0 = time.perf_counter()
       out = rl_step(learner, source, step=step, version=version, advantage=cfg.advantage,
                     batch_cfg=self.rl_batch, update_epochs=cfg.update_epochs,
-                    baseline=self.baseline, reference=reference, teacher=teacher)
+                    baseline=self.baseline, reference=reference, teacher=teacher,
+                    shapes=self.shapes)
       self.baseline = out.baseline if out.baseline is not None else self.baseline
       metrics = mean_over_processes(out.metrics)   # each process's rollouts; one row
       self.rewards.append(metrics["reward/mean"])
@@ -598,6 +601,7 @@ class Trainer:
       self._source_state = extra.get("rollouts")
       b = extra.get("baseline") or {}
       self.baseline = BaselineState(dict(b.get("task_means", {})), b.get("global_mean"))
+      self.shapes = batching.ShapeReuse(self.cfg.rl.batch.shape_slack, state=extra.get("shapes"))
       self._saved = start
       rows = extra.get("metrics_rows")   # None in checkpoints written before it was recorded
       totals = extra.get("time_totals") or {}

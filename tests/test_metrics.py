@@ -70,3 +70,31 @@ def test_a_run_killed_mid_line_resumes(tmp_path):
   assert Trainer(running_run(tmp_path), **QUIET).run() is not None
   steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "reward/mean" in r]
   assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def _tensorboard_scalars(logdir):
+  """(step, tag, value) of every scalar in the TFRecord event files under `logdir`."""
+  import struct
+  from tensorboardX.proto import event_pb2
+  out = []
+  for f in sorted(logdir.rglob("events.out.tfevents.*")):
+    data, i = f.read_bytes(), 0
+    while i < len(data):
+      (n,) = struct.unpack("<Q", data[i:i + 8])
+      event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+      i += 12 + n + 4
+      out += [(event.step, v.tag, v.simple_value) for v in event.summary.value]
+  return out
+
+
+def test_tensorboard_rows_written_by_its_thread_are_all_there_at_close(tmp_path):
+  w = MetricsWriter(tmp_path, tensorboard=True)
+  rows = [{"loss": 1.0 / (s + 1), "reward/mean": float(s), "skipped": float("nan")}
+          for s in range(200)]
+  for s, row in enumerate(rows):
+    w.write(s, row)
+  w.close()
+  got = _tensorboard_scalars(tmp_path / "tensorboard")
+  want = [(s, k, v) for s, row in enumerate(rows) for k, v in row.items() if v == v]
+  assert sorted(got) == sorted((s, k, pytest.approx(v)) for s, k, v in want)
+  assert len(read_metrics(tmp_path / "metrics.jsonl")) == 200

@@ -338,3 +338,50 @@ def test_report_only_reference_every_kl_every_versions_changes_only_when_kl_is_l
     m = rl_step(needy, source, step=v, version=v, advantage=AdvantageConfig(), batch_cfg=cfg,
                 reference=reference, kl_every=2).metrics
     assert "kl" in m
+
+
+def test_shape_reuse_picks_the_smallest_compiled_cover_and_rebuys_a_recurring_shape():
+  s = batching.ShapeReuse(slack=2.0, rebuy_after=2)
+  got = [s.choose(o) for o in [(8, 48), (7, 48), (5, 48), (8, 56), (7, 64), (3, 40), (7, 48),
+                                (7, 48)]]
+  assert got == [(8, 48), (8, 48), (8, 48),   # fewer rows run in the compiled (8, 48)
+                 (8, 56),                     # longer: a new program
+                 (8, 64),                     # new length: at the most rows compiled (8)
+                 (3, 40),                     # (8, 48) would be 3.2x its positions: its own
+                 (8, 48),                     # (7, 48)'s second padded run ...
+                 (7, 48)]                     # ... and its third: it came back, so compiled
+  assert s.metrics() == {"batch/shapes_compiled": 5.0, "batch/shape_padding_frac": 0.0}
+  resumed = batching.ShapeReuse(slack=2.0, rebuy_after=2, state=s.state())
+  for o in [(5, 48), (2, 40), (8, 60), (4, 20)]:
+    assert resumed.choose(o) == s.choose(o), o
+  never = batching.ShapeReuse(slack=1.0)
+  assert [never.choose(o) for o in [(8, 48), (7, 48)]] == [(8, 48), (7, 48)]
+
+
+def test_reused_shapes_train_like_own_buckets_with_fewer_compiles():
+  """Six steps whose trimmed shapes are six buckets: with ShapeReuse two programs (the fewer
+  rows run padded in a compiled shape), the same losses and weights as their own buckets."""
+  steps = [(8, 10), (5, 10), (7, 10), (6, 10), (8, 20), (7, 20)]
+  cfg = dataclasses.replace(FULL, rows=8, max_seqs=8, trim=True)
+  runs = {}
+  for reuse in (False, True):
+    learner = _learner()
+    shapes = _record_shapes(learner)
+    compiles, stop = _count_step_compiles(learner)
+    policy = batching.ShapeReuse() if reuse else None
+    try:
+      m = [rl_step(learner, _Fixed(_of_length(n, length, seed=v)), step=v, version=v,
+                   advantage=AdvantageConfig(), batch_cfg=cfg, shapes=policy).metrics
+           for v, (n, length) in enumerate(steps)]
+    finally:
+      stop()
+    runs[reuse] = (m, _params(learner), shapes, len(compiles))
+  (m0, p0, s0, c0), (m1, p1, s1, c1) = runs[False], runs[True]
+  assert s0 == [(8, 16), (5, 16), (7, 16), (6, 16), (8, 24), (7, 24)] and c0 == 6
+  assert s1 == [(8, 16)] * 4 + [(8, 24)] * 2 and c1 == 2
+  assert m1[-1]["batch/shapes_compiled"] == 2 and m1[1]["batch/shape_padding_frac"] == 3 / 8
+  for a, b in zip(m0, m1):
+    for k in ("loss", "pg_loss", "grad_norm", "tokens"):
+      np.testing.assert_allclose(b[k], a[k], rtol=1e-5, err_msg=k)
+  for a, b in zip(p0, p1):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
