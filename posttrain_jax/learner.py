@@ -283,13 +283,26 @@ class Learner:
         lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding)
         else replicated, state)
     self.state = put_global(state, self._state_sharding)
-    self._step = jax.jit(
-        functools.partial(train_step, graphdef=self.graphdef, tx=self.tx, spec=self.spec,
-                          loss_cfg=self.loss_cfg, cfg=cfg),
-        donate_argnums=0, out_shardings=(self._state_sharding, None))
+    self._step = self._jit_step()
     self._logprobs = jax.jit(functools.partial(token_logprobs, self.graphdef,
                                                temperature=cfg.temperature, impl=cfg.logprob_impl))
     self._hidden = jax.jit(functools.partial(hidden_states, self.graphdef))
+
+  def _jit_step(self):
+    return jax.jit(
+        functools.partial(train_step, graphdef=self.graphdef, tx=self.tx, spec=self.spec,
+                          loss_cfg=self.loss_cfg, cfg=self.cfg),
+        donate_argnums=0, out_shardings=(self._state_sharding, None))
+
+  def set_loss_config(self, loss_cfg) -> None:
+    """Trains with `loss_cfg` (the same loss) from the next step on: e.g. the off-policy
+    correction an RL run adds when it turns asynchronous (rl.mode="auto"); the state is kept."""
+    if not isinstance(loss_cfg, self.spec.config_cls):
+      raise TypeError(f"loss {self.cfg.loss!r} takes a {self.spec.config_cls.__name__}, got "
+                      f"{type(loss_cfg).__name__}")
+    if loss_cfg != self.loss_cfg:
+      self.loss_cfg = loss_cfg
+      self._step = self._jit_step()
 
   @property
   def params(self):

@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-import queue
-import threading
 from typing import Iterable, Optional
 
 import jax
@@ -58,23 +56,6 @@ class MetricsWriter:
     if tensorboard:
       from tensorboardX import SummaryWriter
       self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
-      # Building TensorBoard's protos takes ~1 ms a row (30 scalars), ~1% of a tiny RL step:
-      # a thread of its own does it while the step's XLA work holds no GIL.
-      self._tb_rows: queue.SimpleQueue = queue.SimpleQueue()
-      self._tb_error: Optional[BaseException] = None
-      self._tb_thread = threading.Thread(target=self._tb_loop, name="metrics-tensorboard",
-                                         daemon=True)
-      self._tb_thread.start()
-
-  def _tb_loop(self) -> None:
-    while (item := self._tb_rows.get()) is not None:
-      step, metrics = item
-      try:
-        for k, v in metrics.items():
-          if isinstance(v, (int, float)) and math.isfinite(v):
-            self._tb.add_scalar(k, v, step)
-      except Exception as e:  # noqa: BLE001 -- raised by the next write() / close()
-        self._tb_error = e
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
     if not self._enabled:
@@ -87,13 +68,9 @@ class MetricsWriter:
       raise self._disk_error(f"the row of step {step} was not written", e) from e
     self.rows += 1
     if self._tb is not None:
-      self._raise_tb_error()
-      self._tb_rows.put((step, dict(metrics)))
-
-  def _raise_tb_error(self) -> None:
-    if self._tb_error is not None:
-      e, self._tb_error = self._tb_error, None
-      raise RuntimeError(f"TensorBoard scalars under {self.workdir / 'tensorboard'}: {e}") from e
+      for k, v in metrics.items():
+        if isinstance(v, (int, float)) and math.isfinite(v):
+          self._tb.add_scalar(k, v, step)
 
   def _disk_error(self, what: str, e: OSError) -> DiskWriteError:
     """`e` (a write or open of metrics.jsonl) as an error naming the file and the fix. A row
@@ -112,11 +89,7 @@ class MetricsWriter:
     except OSError:
       pass  # what it could not flush was reported by write()
     if self._tb is not None:
-      self._tb_rows.put(None)   # the rows queued so far are written first
-      self._tb_thread.join()
       self._tb.close()
-      self._tb = None
-      self._raise_tb_error()
 
 
 def _finite(v):

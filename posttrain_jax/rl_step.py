@@ -55,6 +55,7 @@ class StepResult:
   tasks: list                         # the tasks whose groups were used
   trajectories: list                  # every trajectory collected (infra errors included)
   updated: bool                       # False when nothing was trainable (weights untouched)
+  batch: Any = None                   # the TrainBatch trained on (None when not updated)
 
 
 def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageConfig,
@@ -138,4 +139,4 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
     metrics["baseline/unseen_tasks"] = adv.stats["unseen_tasks"]
   metrics.update(source.metrics())
   return StepResult(metrics, adv.state if adv.state is not None else baseline, tasks, trajs,
-                    train)
+                    train, batch if train else None)

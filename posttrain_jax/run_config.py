@@ -23,6 +23,7 @@ from posttrain_jax.learner import LearnerConfig, OptimizerConfig
 from posttrain_jax.losses import CISPOConfig, GRPOConfig, get_loss
 from posttrain_jax.losses.off_policy import CORRECTIONS
 from posttrain_jax.models.tiny import TinyModelConfig
+from posttrain_jax.overlap import AutoModeConfig
 from posttrain_jax.replay import ReplayConfig
 from posttrain_jax.sharding import MeshConfig
 from posttrain_jax.teacher import TeacherConfig
@@ -62,7 +63,7 @@ class SFTPhaseConfig:
   batch: BatchConfig = BatchConfig(rows=32, seq_len=48, max_seqs=64)
 
 
-RL_MODES = ("sync", "async", "traces")
+RL_MODES = ("sync", "async", "auto", "traces")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +71,11 @@ class RLPhaseConfig:
   """GRPO-family training on graded rollouts: generate-then-train ("sync", on-policy), an actor
   pool sampling while the learner trains ("async", bounded staleness, see actors/pool.py), or
   graded sessions recorded by the proxy ("traces", byoh/trace_source.py: one trajectory per
-  task, so the `running` baseline; prompts_per_step sessions a step)."""
-  mode: str = "sync"              # "sync" | "async" | "traces"
+  task, so the `running` baseline; prompts_per_step sessions a step). "auto" starts sync and
+  turns async after `auto.probe_steps` steps where the measured bound says overlap pays
+  (overlap.py)."""
+  mode: str = "sync"              # "sync" | "async" | "auto" | "traces"
+  auto: AutoModeConfig = AutoModeConfig()  # auto: the probe and the gain it must predict
   engine: str = "jax"             # rollout engine (engines/registry.py): jax | vllm | openai
   engine_config: Any = None       # that engine's config (class from the registry); None = defaults
   episode: str = "task"           # what a rollout is (actors/episode.py registry): "task" = single-turn
@@ -115,7 +119,7 @@ class RLPhaseConfig:
       raise ValueError(f"rl.mode='traces' trains on single recorded sessions (no groups): "
                        f"advantage.estimator={self.advantage.estimator!r} needs groups; use "
                        "'running'")
-    if self.mode == "async" and self.replay.min_scored > g:
+    if self.mode == "async" and self.replay.min_scored > g:   # "auto" then stays sync
       raise ValueError(f"replay.min_scored={self.replay.min_scored} > rollout.group_size={g}: "
                        "every group would be dropped; lower min_scored to at most group_size")
     if self.prompts_per_step * (1 if self.mode == "traces" else g) > self.batch.max_seqs:
@@ -221,14 +225,15 @@ class RunConfig:
       raise ValueError(f"rl.update_epochs={self.rl.update_epochs} with a distillation loss: the "
                        "teacher scores a batch once, before its first update; use 1")
 
-  def loss_config(self):
-    """The RL loss's config; in async and traces mode a loss that can correct off-policy samples
-    and was given none gets `rl.async_correction` (stale samples are never trained as on-policy
-    silently)."""
+  def loss_config(self, mode: Optional[str] = None):
+    """The RL loss's config in `mode` (default rl.mode; "auto" trains sync until it turns
+    async); in async and traces mode a loss that can correct off-policy samples and was given
+    none gets `rl.async_correction` (stale samples are never trained as on-policy silently)."""
+    mode = self.rl.mode if mode is None else mode
     spec = get_loss(self.rl.learner.loss)
     cfg = self.rl.loss if self.rl.loss is not None else spec.config_cls()
     names = {f.name for f in dataclasses.fields(cfg)}
-    if (self.rl.mode in ("async", "traces") and "correction" in names and cfg.correction == "none"
+    if (mode in ("async", "traces") and "correction" in names and cfg.correction == "none"
         and self.rl.async_correction != "none"):
       cfg = dataclasses.replace(cfg, correction=self.rl.async_correction, correction_cfg=None)
     return cfg

@@ -20,7 +20,10 @@ With `rl.mode = "async"` an actor pool samples while the learner trains (actors/
 batch of a step may come from older policy versions (at most `rl.replay.max_staleness` behind),
 corrected off-policy (`rl.async_correction`, TIS by default); the checkpoint also holds the
 replay queue and unfinished work (no trajectory lost or trained twice on resume; data order is
-not reproduced).
+not reproduced). `rl.mode = "auto"` starts sync and, after `rl.auto.probe_steps` steps, turns
+async only where the measured bound says overlap pays (overlap.py); the log says which mode it
+chose and why, the checkpoint keeps the choice, metrics.jsonl's `rl/async` shows it per step.
+With several processes it stays sync.
 
 Preemption (`preempt`, a threading.Event: launch/train.py sets it on SIGTERM / SIGINT): the run
 stops at the next step boundary (the step in progress is finished), closes the rollout source
@@ -75,6 +78,7 @@ from posttrain_jax.losses import get_loss
 from posttrain_jax.metrics import MetricsWriter, plot_run, read_metrics
 from posttrain_jax.models import hf_io
 from posttrain_jax.models.tiny import build_tiny_model
+from posttrain_jax import overlap
 from posttrain_jax.multihost import all_gather_json, mean_over_processes, share
 from posttrain_jax.rl_step import rl_step
 from posttrain_jax.run_config import RunConfig, run_config_from_dict
@@ -148,6 +152,8 @@ class Trainer:
     self.heldout_before: Optional[dict] = None
     self.baseline = BaselineState()
     self.shapes = batching.ShapeReuse(cfg.rl.batch.shape_slack)  # the RL step's compiled shapes
+    self.auto: Optional[dict] = None          # rl.mode="auto": the mode chosen, why, the figures
+    self._probe: list[tuple[float, float]] = []  # auto: (generate_s, train_s) of probe steps
     self._source = None                       # the RL phase's rollout source (sync or async)
     self._teacher_obj: Optional[SelfTeacher] = None  # the RL phase's teacher (its EMA is saved)
     self._engine_obj = None                   # the RL phase's engine (closed at the end)
@@ -181,7 +187,7 @@ class Trainer:
       if cfg.rl.engine == "fleet":   # each process would push its weights to every server
         raise ConfigTypeError(f"rl.engine='fleet' is driven by a one-process learner (got {n}): "
                               "each process would push weights to, and route over, every server")
-      if cfg.rl.engine == "jax" and (cfg.rl.mode != "sync" or self._multi_turn):
+      if cfg.rl.engine == "jax" and (cfg.rl.mode not in ("sync", "auto") or self._multi_turn):
         raise ConfigTypeError(
             f"rl.engine='jax' with {n} processes serves rl.mode='sync' single-turn rollouts only "
             f"(got rl.mode={cfg.rl.mode!r}, rl.episode={cfg.rl.episode!r}): its decode is one "
@@ -243,6 +249,7 @@ class Trainer:
             "baseline": {"task_means": dict(self.baseline.task_means),
                          "global_mean": self.baseline.global_mean},
             "shapes": self.shapes.state(),
+            "auto": self.auto,
             "metrics_rows": self._writer.rows if self._writer is not None else None,
             "time_totals": {"train_s": self.train_s, "eval_s": self.eval_s},
             "stopped": self.stopped,
@@ -342,9 +349,16 @@ class Trainer:
                          rollout=self.cfg.rl.rollout, stop_token_ids=self.stop_ids)
     return episode_spec(self.cfg.rl.episode).build(self.cfg.episode_config(), ctx)
 
-  def _rollout_source(self, learner: Learner, engine, base: pathlib.Path):
+  def _mode(self) -> str:
+    """The rollout mode the RL phase runs in now: rl.mode, or what "auto" chose (sync until
+    it has chosen)."""
+    if self.cfg.rl.mode != "auto":
+      return self.cfg.rl.mode
+    return self.auto["mode"] if self.auto is not None else "sync"
+
+  def _rollout_source(self, learner: Learner, engine, base: pathlib.Path, mode: str):
     cfg = self.cfg.rl
-    if cfg.mode == "traces":
+    if mode == "traces":
       self.log(f"training on graded sessions of {cfg.traces.store.path}: off-policy correction "
                f"{getattr(self.loss_cfg, 'correction', 'none')!r} against the recorded "
                "behaviour log-probs")
@@ -361,7 +375,7 @@ class Trainer:
       self.log(f"online: serving the policy at {server.url}, weights swapped every step")
       return TraceRollouts(cfg.traces, self.prompts_per_step, engine=serving, copy_weights=copy,
                            server=server)
-    if cfg.mode == "async":  # an engine that is not shareable gets a second instance
+    if mode == "async":  # an engine that is not shareable gets a second instance
       pool_engine = engine if self.engine_spec.shareable else self._engine(learner, base)
       episode = self._episode(pool_engine)
       self.log(f"async rollouts: off-policy correction "
@@ -372,6 +386,51 @@ class Trainer:
                            copy_weights=not self.engine_spec.copies_weights)
     return SyncRollouts(self._episode(engine), self.tasks, cfg.rollout.group_size,
                         self.prompts_per_step, seed=self.cfg.seed, retry=cfg.retry)
+
+  def _auto_probe(self, version: int, metrics: dict, out, learner: Learner, engine,
+                  base: pathlib.Path, source):
+    """rl.mode="auto": records a probe step's times; after `rl.auto.probe_steps` of them (the
+    first step, which compiles, left out) measures the overlap and picks the mode for the rest
+    of the run (overlap.py). Returns the rollout source to go on with."""
+    auto = self.cfg.rl.auto
+    if version == 0 or not out.updated:
+      return source
+    self._probe.append((metrics["time/generate_s"], metrics["time/train_s"]))
+    if len(self._probe) < auto.probe_steps:
+      return source
+    g, t = (float(x) for x in np.median(self._probe, axis=0))   # a step that compiled is out
+    rl = self.cfg.rl
+    if jax.process_count() > 1:
+      d = overlap.Decision("sync", f"{jax.process_count()} processes: rl.mode='async' runs in "
+                           "one process", 0.0, g + t, g + t)
+    elif rl.replay.min_scored > rl.rollout.group_size:
+      d = overlap.Decision("sync", f"async would drop every group: rl.replay.min_scored="
+                           f"{rl.replay.min_scored} > rl.rollout.group_size="
+                           f"{rl.rollout.group_size}", 0.0, g + t, g + t)
+    else:
+      sp = self.cfg.rl.rollout.sampling(self.stop_ids)   # the rollouts' (a turn's, multi-turn)
+      turn = getattr(self.cfg.episode_config(), "turn_max_tokens", None)
+      sp = sp if turn is None else dataclasses.replace(sp, max_tokens=turn)
+      prompts = [encode_prompt(self.tokenizer, task) for task in out.tasks]
+      # the engine still holds the weights the step's update donated: give it the new ones,
+      # as the next step would first (a server engine syncs them once more then)
+      source.update_weights(learner.params, version=version + 1)
+      n = self.cfg.rl.rollout.group_size
+      g1, f, b, k = overlap.measure(lambda: engine.generate(prompts, sp, n=n, seed=version),
+                                 lambda: learner.logprobs(out.batch))
+      d = overlap.decide(overlap.Probe(g, t, f, g1, b, k), auto.min_gain)
+    self.auto = {**d.to_dict(), "version": version + 1}
+    self.log(f"rl.mode=auto: {d.mode} from version {version + 1} on: {d.why}")
+    if d.mode == "sync":
+      return source
+    # turn async: the correction for stale samples, and a pool continuing the draws
+    self.loss_cfg = self.cfg.loss_config("async")
+    learner.set_loss_config(self.loss_cfg)
+    draw, requeued = source.state()["next_draw"], list(source._requeued)
+    source.close()
+    new = self._source = self._rollout_source(learner, engine, base, "async")
+    new.start_at(draw, requeued)
+    return new
 
   # ------------------------------------------------------------------ phases
   def _sft(self, start: int, resume: bool, bar, writer) -> int:
@@ -436,7 +495,7 @@ class Trainer:
     teacher = self._teacher_obj = self._teacher(learner, start if resume else None, reference,
                                                 base)
     engine = self._engine_obj = self._engine(learner, base)
-    source = self._source = self._rollout_source(learner, engine, base)
+    source = self._source = self._rollout_source(learner, engine, base, self._mode())
     if self._source_state:
       source.restore(self._source_state)
     if self.heldout_before is None:
@@ -455,6 +514,10 @@ class Trainer:
                     shapes=self.shapes)
       self.baseline = out.baseline if out.baseline is not None else self.baseline
       metrics = mean_over_processes(out.metrics)   # each process's rollouts; one row
+      if cfg.mode == "auto":
+        metrics["rl/async"] = float(self._mode() == "async")
+        if self.auto is None:
+          source = self._auto_probe(version, metrics, out, learner, engine, base, source)
       self.rewards.append(metrics["reward/mean"])
       step_s = time.perf_counter() - t0
       self.train_s += step_s
@@ -602,6 +665,8 @@ class Trainer:
       b = extra.get("baseline") or {}
       self.baseline = BaselineState(dict(b.get("task_means", {})), b.get("global_mean"))
       self.shapes = batching.ShapeReuse(self.cfg.rl.batch.shape_slack, state=extra.get("shapes"))
+      self.auto = extra.get("auto")
+      self.loss_cfg = self.cfg.loss_config(self._mode())
       self._saved = start
       rows = extra.get("metrics_rows")   # None in checkpoints written before it was recorded
       totals = extra.get("time_totals") or {}

@@ -46,7 +46,7 @@ import dataclasses
 import inspect
 import threading
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -392,6 +392,16 @@ class AsyncRollouts:
     Take it in the thread that calls collect/update_weights, beside the task iterator's state."""
     return {"kind": "async", "next_draw": self._next_draw, "queue": self.queue.state(),
             "pool": dict(self.pool.counters)}
+
+  def start_at(self, next_draw: int, requeued: Sequence[WorkItem] = ()) -> None:
+    """Continues a synchronous source (rl.mode="auto" turning async): the next task drawn is
+    draw `next_draw`, and `requeued` (its failed items waiting for a re-run) are queued first."""
+    if self._thread is not None:
+      raise RuntimeError("AsyncRollouts.start_at must be called before the pool starts")
+    self._next_draw = int(next_draw)
+    with self.queue.transaction():
+      for item in requeued:
+        self.queue.add_work(item.draw, item.to_dict())
 
   def restore(self, state: dict) -> None:
     """Loads `state()` output; must come before the first update_weights / collect."""
