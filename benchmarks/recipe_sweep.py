@@ -1,19 +1,21 @@
 """The RL recipe sweep behind configs/default.py's GRPO defaults (issue P item 3).
 
     python benchmarks/recipe_sweep.py --out FILE.json [--lrs 3e-5,1e-4,3e-4] [--prompts 8,16]
-        [--eps_highs 0.2,0.28] [--seeds 0] [--budget_s 120]
+        [--eps_highs 0.2,0.28] [--groups 8] [--estimators grpo] [--oversamples 0]
+        [--seeds 0] [--budget_s 120]
 
-Every combination of learning rate x prompts per step x upper clip bound runs our GRPO from
+Every combination of learning rate x prompts per step x upper clip bound (x completions per
+prompt x advantage estimator x rl.oversample, one value each by default) runs our GRPO from
 benchmarks/time_to_accuracy.py's warm start (the same cached checkpoint, task, grader, greedy
 held-out evals every `--eval_every` steps, evals excluded from the time) until the top target
-or `--budget_s` seconds of training. Group size 8, <= 8 tokens, lower clip 0.2, `--warmup`
+or `--budget_s` seconds of training. <= 8 tokens, lower clip 0.2, `--warmup`
 steps of linear lr warmup. A run "collapsed" when its last eval is below its start by more than
 0.1 (greedy accuracy falling to 0 is what lr 3e-4 did before), "slow" when it did not reach the
 top target in the budget.
 
 Prints one row per combination (seeds pooled: the median seconds and steps to each target,
 best and last accuracy) and ends with
-`RESULT best=<prompts>x8_lr<lr>_eps<eps_high> best_s_to_target=... best_s_to_lowest_target=...
+`RESULT best=<prompts>x<group>_lr<lr>_eps<eps_high>[_<estimator>][_over<o>] best_s_to_target=... best_s_to_lowest_target=...
 runs=<n> collapsed=<n>`,
 the best being the lowest median seconds to the top target (ties: fewer steps; where no run
 reached it, to the next lower target).
@@ -38,6 +40,26 @@ cost 1.8x a step and need 2.4x fewer steps to 0.5 at lr 1e-4 (1.2x sooner in sec
 3e-5 and 1e-4 are within one seed's noise. The clip bound changes nothing here: one update
 epoch on fresh samples keeps every ratio at 1 (the two 16x8 lr 1e-4 runs are the same run).
 configs/default.py keeps 16 x 8, lr 1e-4 with 5 warmup steps, clip 0.2 / 0.28.
+
+Measured again the next day to the 0.6 target time_to_accuracy.py's RESULT takes (3 seeds each
+unless said, evals every 10 steps, `--targets 0.5,0.6 --max_steps 700`; two sweeps ran at once
+on the 2 cores, so the seconds of these runs are not comparable: the steps are, and s/step is
+taken from runs with the machine (mostly) to themselves: the 8x8 rows from time_to_accuracy.py,
+oversample from its seed 2 (the other sweep had ended but for its last evals), 16x8 from the
+table above). Steps to each target, per seed:
+
+    recipe                        s/step alone  steps to 0.5   steps to 0.6   median to 0.6
+    8x8 lr 3e-5 (TRL's settings)  0.105-0.110   -              600/570/510    570
+    8x8 lr 1e-4, warmup 5         0.108         430 (seed 0)   600 (seed 0)   -
+    8x8 lr 3e-5, oversample 0.5   ~0.12         280/310/300    340/500/420    420
+    16x8 lr 1e-4 (the default)    0.187-0.196   130/140/120    250/240/230    240
+
+Twice the prompts a step need 2.4x fewer steps to 0.6 for ~1.8x the step; drawing 12 prompts
+and training the 8 with a learning signal (`rl.oversample=0.5`, rl_step.py) needs 1.36x fewer
+steps for ~1.15x the step (its 4 extra groups are generated and graded, not trained): both
+say this run is limited by gradient noise, not by step size (lr 1e-4 is no faster than 3e-5 at 8 prompts, and noisier: held-out dips to 0.23 on the way).
+The default stays 16 x 8, lr 1e-4; `rl.oversample` is an option, off by default (unmeasured
+on 16 x 8).
 """
 from __future__ import annotations
 
@@ -57,6 +79,14 @@ for p in (_ROOT, _ROOT / "benchmarks"):
 import time_to_accuracy as tta  # noqa: E402
 
 
+_KEYS = ("prompts", "group", "lr", "eps_high", "estimator", "oversample")
+
+
+def _name(prompts, group, lr, eps_high, est, over=0.0):
+  return (f"{prompts}x{group}_lr{lr:g}_eps{eps_high:g}" + ("" if est == "grpo" else f"_{est}")
+          + (f"_over{over:g}" if over else ""))
+
+
 def _median(xs):
   xs = [x for x in xs if x is not None and x == x]
   return statistics.median(xs) if xs else math.inf
@@ -68,6 +98,9 @@ def main(argv=None):
   p.add_argument("--lrs", default="3e-5,1e-4,3e-4")
   p.add_argument("--prompts", default="8,16", help="prompts per step (x 8 completions)")
   p.add_argument("--eps_highs", default="0.2,0.28", help="upper clip bounds (lower: 0.2)")
+  p.add_argument("--groups", default="8", help="completions per prompt")
+  p.add_argument("--oversamples", default="0", help="rl.oversample: extra prompts drawn, signal first")
+  p.add_argument("--estimators", default="grpo", help="advantage estimators (grpo, drgrpo, rloo)")
   p.add_argument("--warmup", type=int, default=5, help="lr warmup steps")
   p.add_argument("--seeds", default="0")
   p.add_argument("--targets", default="0.5,0.7")
@@ -89,29 +122,33 @@ def main(argv=None):
   print(f"warm start: {warm} (greedy held-out accuracy {warm_acc:.3f})")
 
   grid = list(itertools.product([int(x) for x in args.prompts.split(",")],
+                                [int(x) for x in args.groups.split(",")],
                                 [float(x) for x in args.lrs.split(",")],
-                                [float(x) for x in args.eps_highs.split(",")]))
+                                [float(x) for x in args.eps_highs.split(",")],
+                                args.estimators.split(","),
+                                [float(x) for x in args.oversamples.split(",")]))
   runs = []
-  for (prompts, lr, eps_high), seed in itertools.product(grid, map(int, args.seeds.split(","))):
-    recipe = dict(prompts=prompts, group=tta.GROUP, lr=lr, warmup_steps=args.warmup,
-                  eps_low=0.2, eps_high=eps_high)
+  for (prompts, group, lr, eps_high, est, over), seed in itertools.product(
+      grid, map(int, args.seeds.split(","))):
+    recipe = dict(prompts=prompts, group=group, lr=lr, warmup_steps=args.warmup,
+                  eps_low=0.2, eps_high=eps_high, estimator=est, oversample=over)
     r = tta.run_ours(warm, seed, args, work, recipe=recipe)
     r["last_acc"] = r["curve"][-1][2] if r["curve"] else math.nan
     r["collapsed"] = bool(r["curve"]) and r["last_acc"] < r["start_acc"] - 0.1
     runs.append(r)
-    print(f"done: {prompts}x{tta.GROUP} lr {lr:g} eps_high {eps_high:g} seed {seed}: "
+    print(f"done: {_name(prompts, group, lr, eps_high, est, over)} seed {seed}: "
           f"{r['steps']} steps, {r['s_per_step']:.3f} s/step, s to targets {r['s_to_target']}, "
           f"best {r['best_acc']:.3f}, last {r['last_acc']:.3f}, load1 {r['load1']:.2f}",
           flush=True)
     pathlib.Path(args.out).write_text(json.dumps({"runs": runs}, indent=1, default=str))
 
   rows = []
-  for prompts, lr, eps_high in grid:
-    mine = [r for r in runs if (r["recipe"]["prompts"], r["recipe"]["lr"],
-                                r["recipe"]["eps_high"]) == (prompts, lr, eps_high)]
+  for prompts, group, lr, eps_high, est, over in grid:
+    mine = [r for r in runs if tuple(r["recipe"][k] for k in _KEYS)
+            == (prompts, group, lr, eps_high, est, over)]
     rows.append(dict(
-        name=f"{prompts}x{tta.GROUP}_lr{lr:g}_eps{eps_high:g}", prompts=prompts, lr=lr,
-        eps_high=eps_high, s_per_step=_median([r["s_per_step"] for r in mine]),
+        name=_name(prompts, group, lr, eps_high, est, over), prompts=prompts, group=group,
+        lr=lr, eps_high=eps_high, estimator=est, oversample=over, s_per_step=_median([r["s_per_step"] for r in mine]),
         s_to={t: _median([r["s_to_target"][t] for r in mine]) for t in map(str, args.targets)},
         steps_to={t: _median([r["steps_to_target"][t] for r in mine])
                   for t in map(str, args.targets)},

@@ -3,6 +3,9 @@
     source.update_weights(params, version)        weights of version v to the rollout engine
     tasks, trajs = source.collect(step)           graded groups (sync: fresh; async: from the queue)
     adv = advantages(trajs, baseline state)       infra errors excluded; running baseline updated;
+                                                  with `train_groups` (rl.oversample: more
+                                                  groups drawn than trained) the groups with a
+                                                  learning signal are trained first (below)
                                                   with a distillation loss an ungraded sample
                                                   (reward None: feedback, no grade) is trained
                                                   with A = 0, out of the baselines, counted
@@ -20,6 +23,14 @@
         from the teacher (teacher.py: the model scoring the sampled tokens under its context)
     update_epochs × learner.step(batch)           skipped when no trajectory survived
     teacher.after_update(learner)                 an EMA teacher follows the new weights
+
+Signal first (DAPO's dynamic sampling, one generation round): with `train_groups` = k the
+source drew more groups than a step trains (rl.oversample). The k trained are the groups with
+a learning signal (a member with A ≠ 0: rewards not all equal) in draw order, then, if fewer
+than k have one, groups without in draw order; the rest are left out of the batch and counted
+(`filter/oversample_dropped_frac`, of the groups drawn; `batch/signal_group_frac`, of the
+groups trained). Advantages are per group, so a group's do not depend on which others are
+trained; `reward/mean` is over every graded sample drawn, not only the trained ones.
 
 A step whose every rollout failed (nothing kept) does not touch the weights or the optimizer
 state: AdamW's momentum would still move them on an empty batch.
@@ -62,12 +73,14 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
             batch_cfg: batching.BatchConfig, update_epochs: int = 1,
             baseline: Optional[BaselineState] = None, reference: Any = None,
             teacher: Any = None, kl_every: int = KL_EVERY,
-            shapes: Optional[batching.ShapeReuse] = None) -> StepResult:
+            shapes: Optional[batching.ShapeReuse] = None,
+            train_groups: Optional[int] = None) -> StepResult:
   """Runs one step (see the module docstring); `reference` = frozen params for ref_logp;
   `teacher` = a teacher.SelfTeacher for teacher_logp / teacher_mask; `kl_every`: a reference
   the loss does not need is scored (the `kl` metric) when version % kl_every == 0;
   `shapes`: the run's compiled trimmed shapes (batching.ShapeReuse), else each batch runs in
-  its own bucket."""
+  its own bucket; `train_groups`: train this many of the groups collected, signal first (see
+  the module docstring), else all."""
   t0 = time.perf_counter()
   source.update_weights(learner.params, version=version)
   t_sync = time.perf_counter() - t0
@@ -76,14 +89,18 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
   needs = set(learner.spec.needs(learner.loss_cfg))
   adv = compute_advantages(trajs, advantage, baseline,
                            allow_ungraded=bool(needs & teacher_lib.FIELDS))
-  keep = [t for t, k in zip(trajs, adv.keep) if k]
+  scored = [t for t, k in zip(trajs, adv.keep) if k and t.reward is not None]
+  kept_n, select_metrics = adv.keep, {}
+  if train_groups is not None:
+    kept_n, select_metrics = signal_first(trajs, adv, train_groups)
+  keep = [t for t, k in zip(trajs, kept_n) if k]
   metrics: dict[str, float] = {}
   teacher_metrics: dict[str, float] = {}
   shape_metrics: dict[str, float] = {}
   t1 = time.perf_counter()
   train = max_over_processes([len(keep)])[0] > 0   # the job's decision (module docstring)
   if train:
-    batch = batching.build_batch(keep, adv.advantages[adv.keep].tolist(), batch_cfg)
+    batch = batching.build_batch(keep, adv.advantages[kept_n].tolist(), batch_cfg)
     if batch_cfg.trim:   # a collective with several processes, like learner.step below
       agree = (max_over_processes if shapes is None
                else lambda own: shapes.choose(max_over_processes(own)))
@@ -115,7 +132,6 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
     if teacher is not None:
       teacher.after_update(learner)
   t_train = time.perf_counter() - t1
-  scored = [t for t in keep if t.reward is not None]
   reward = float(np.mean([t.reward for t in scored])) if scored else float("nan")
   metrics.update({
       "reward/mean": reward,
@@ -129,6 +145,7 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
   })
   metrics.update(teacher_metrics)
   metrics.update(shape_metrics)
+  metrics.update(select_metrics)
   metrics.update(episode_signals(trajs))
   metrics["filter/zero_var_group_frac"] = metrics["zero_var_group_frac"]
   metrics["filter/ungraded_frac"] = adv.stats["ungraded_frac"]
@@ -140,3 +157,23 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
   metrics.update(source.metrics())
   return StepResult(metrics, adv.state if adv.state is not None else baseline, tasks, trajs,
                     train, batch if train else None)
+
+
+def signal_first(trajs, adv, k: int) -> tuple[np.ndarray, dict[str, float]]:
+  """(keep [N] bool, metrics): the trajectories of the `k` groups a step trains, groups with a
+  learning signal first, each kind in draw order (the module docstring); infra errors stay out.
+  A trajectory without a group_id is a group of its own."""
+  if k < 1:
+    raise ValueError(f"train_groups must be ≥ 1, got {k}")
+  names = [t.group_id if t.group_id is not None else t.id for t in trajs]
+  order = list(dict.fromkeys(n for n, kept in zip(names, adv.keep) if kept))
+  signal = {n: False for n in order}
+  for n, kept, a in zip(names, adv.keep, adv.advantages):
+    if kept and a != 0:
+      signal[n] = True
+  chosen = set(([n for n in order if signal[n]] + [n for n in order if not signal[n]])[:k])
+  keep = np.array([kept and n in chosen for n, kept in zip(names, adv.keep)], bool)
+  return keep, {
+      "filter/oversample_dropped_frac": (len(order) - len(chosen)) / len(order) if order else 0.0,
+      "batch/signal_group_frac": (sum(signal[n] for n in chosen) / len(chosen)
+                                  if chosen else 0.0)}

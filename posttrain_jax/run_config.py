@@ -88,6 +88,10 @@ class RLPhaseConfig:
                                   # ("none" = off)
   steps: int = 100                # optimizer steps
   prompts_per_step: int = 32      # tasks per step; each is sampled rollout.group_size times
+  oversample: float = 0.0         # sync: draw ceil(prompts_per_step·(1 + oversample)) tasks a
+                                  # step, train prompts_per_step of their groups, those with a
+                                  # learning signal first (DAPO's dynamic sampling, one round;
+                                  # rl_step.py); 0 = off. Async filters with replay.filter
   rollout: RolloutConfig = RolloutConfig()
   advantage: AdvantageConfig = AdvantageConfig()
   learner: LearnerConfig = LearnerConfig(loss="grpo")
@@ -110,6 +114,12 @@ class RLPhaseConfig:
       low = 0 if name == "steps" else 1
       if getattr(self, name) < low:
         raise ValueError(f"RLPhaseConfig.{name} must be ≥ {low}, got {getattr(self, name)}")
+    if not self.oversample >= 0:
+      raise ValueError(f"RLPhaseConfig.oversample must be ≥ 0, got {self.oversample}")
+    if self.oversample > 0 and self.mode in ("async", "traces"):
+      raise ValueError(f"rl.oversample={self.oversample} draws extra prompts in sync rollouts; "
+                       f"rl.mode={self.mode!r} does not draw them (async: replay.filter="
+                       "'zero_variance' keeps only groups with a signal)")
     g = self.rollout.group_size
     if ADVANTAGE_ESTIMATORS.get(self.advantage.estimator).kind == "group" and g < 2:
       raise ValueError(f"advantage.estimator={self.advantage.estimator!r} is a group baseline: it "

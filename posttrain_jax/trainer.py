@@ -47,6 +47,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import math
 import pathlib
 import threading
 import time
@@ -199,7 +200,8 @@ class Trainer:
     if self.bank.endless or cfg.tasks.num_epochs is None:
       return
     have = len(self.bank.dataset())
-    need = cfg.sft.steps * cfg.sft.batch_size + cfg.rl.steps * cfg.rl.prompts_per_step
+    need = cfg.sft.steps * cfg.sft.batch_size + cfg.rl.steps * _drawn_per_step(cfg.rl,
+                                                                            cfg.rl.prompts_per_step)
     if need > have:
       raise ConfigTypeError(
           f"config.tasks.num_epochs={cfg.tasks.num_epochs}: the task bank yields {have} tasks "
@@ -385,7 +387,8 @@ class Trainer:
                            seed=self.cfg.seed, replay=cfg.replay, pool=cfg.pool, retry=cfg.retry,
                            copy_weights=not self.engine_spec.copies_weights)
     return SyncRollouts(self._episode(engine), self.tasks, cfg.rollout.group_size,
-                        self.prompts_per_step, seed=self.cfg.seed, retry=cfg.retry)
+                        _drawn_per_step(cfg, self.prompts_per_step), seed=self.cfg.seed,
+                        retry=cfg.retry)
 
   def _auto_probe(self, version: int, metrics: dict, out, learner: Learner, engine,
                   base: pathlib.Path, source):
@@ -424,6 +427,10 @@ class Trainer:
     if d.mode == "sync":
       return source
     # turn async: the correction for stale samples, and a pool continuing the draws
+    if rl.oversample > 0:
+      self.log(f"rl.oversample={rl.oversample} applies to sync steps only: the pool draws "
+               f"{self.prompts_per_step} tasks a step, filtered by rl.replay.filter="
+               f"{rl.replay.filter!r}")
     self.loss_cfg = self.cfg.loss_config("async")
     learner.set_loss_config(self.loss_cfg)
     draw, requeued = source.state()["next_draw"], list(source._requeued)
@@ -511,7 +518,9 @@ class Trainer:
       out = rl_step(learner, source, step=step, version=version, advantage=cfg.advantage,
                     batch_cfg=self.rl_batch, update_epochs=cfg.update_epochs,
                     baseline=self.baseline, reference=reference, teacher=teacher,
-                    shapes=self.shapes)
+                    shapes=self.shapes,
+                    train_groups=(self.prompts_per_step if cfg.oversample > 0
+                                  and self._mode() == "sync" else None))
       self.baseline = out.baseline if out.baseline is not None else self.baseline
       metrics = mean_over_processes(out.metrics)   # each process's rollouts; one row
       if cfg.mode == "auto":
@@ -737,6 +746,11 @@ def _job_mean(mean: float, count: int) -> float:
            if c and m is not None]
   total = sum(c for _, c in parts)
   return sum(m * c for m, c in parts) / total if total else float("nan")
+
+
+def _drawn_per_step(rl, prompts: int) -> int:
+  """Tasks a sync RL step draws: `prompts`, more with rl.oversample (rl_step.signal_first)."""
+  return math.ceil(prompts * (1 + rl.oversample) - 1e-9) if rl.oversample > 0 else prompts
 
 
 def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
