@@ -15,8 +15,8 @@ top target in the budget.
 
 Prints one row per combination (seeds pooled: the median seconds and steps to each target,
 best and last accuracy) and ends with
-`RESULT best=<prompts>x<group>_lr<lr>_eps<eps_high>[_<estimator>][_over<o>] best_s_to_target=... best_s_to_lowest_target=...
-runs=<n> collapsed=<n>`,
+`RESULT best=<prompts>x<group>_lr<lr>_eps<eps_high>[_<estimator>][_over<o>]
+best_s_to_target=... best_s_to_lowest_target=... runs=<n> collapsed=<n>`,
 the best being the lowest median seconds to the top target (ties: fewer steps; where no run
 reached it, to the next lower target).
 
@@ -57,7 +57,8 @@ table above). Steps to each target, per seed:
 Twice the prompts a step need 2.4x fewer steps to 0.6 for ~1.8x the step; drawing 12 prompts
 and training the 8 with a learning signal (`rl.oversample=0.5`, rl_step.py) needs 1.36x fewer
 steps for ~1.15x the step (its 4 extra groups are generated and graded, not trained): both
-say this run is limited by gradient noise, not by step size (lr 1e-4 is no faster than 3e-5 at 8 prompts, and noisier: held-out dips to 0.23 on the way).
+say this run is limited by gradient noise, not by step size (lr 1e-4 is no faster than 3e-5
+at 8 prompts, and noisier: held-out dips to 0.23 on the way).
 The default stays 16 x 8, lr 1e-4; `rl.oversample` is an option, off by default (unmeasured
 on 16 x 8).
 """
@@ -99,7 +100,8 @@ def main(argv=None):
   p.add_argument("--prompts", default="8,16", help="prompts per step (x 8 completions)")
   p.add_argument("--eps_highs", default="0.2,0.28", help="upper clip bounds (lower: 0.2)")
   p.add_argument("--groups", default="8", help="completions per prompt")
-  p.add_argument("--oversamples", default="0", help="rl.oversample: extra prompts drawn, signal first")
+  p.add_argument("--oversamples", default="0",
+                 help="rl.oversample: extra prompts drawn, signal first")
   p.add_argument("--estimators", default="grpo", help="advantage estimators (grpo, drgrpo, rloo)")
   p.add_argument("--warmup", type=int, default=5, help="lr warmup steps")
   p.add_argument("--seeds", default="0")
@@ -148,7 +150,8 @@ def main(argv=None):
             == (prompts, group, lr, eps_high, est, over)]
     rows.append(dict(
         name=_name(prompts, group, lr, eps_high, est, over), prompts=prompts, group=group,
-        lr=lr, eps_high=eps_high, estimator=est, oversample=over, s_per_step=_median([r["s_per_step"] for r in mine]),
+        lr=lr, eps_high=eps_high, estimator=est, oversample=over,
+        s_per_step=_median([r["s_per_step"] for r in mine]),
         s_to={t: _median([r["s_to_target"][t] for r in mine]) for t in map(str, args.targets)},
         steps_to={t: _median([r["steps_to_target"][t] for r in mine])
                   for t in map(str, args.targets)},

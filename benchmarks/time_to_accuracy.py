@@ -37,15 +37,15 @@ else was running). Ends with
 Measured 2026-12-05 (2-core CPU, jax 0.10.2, torch 2.13 CPU + TRL 1.16; 3 seeds, warm start
 0.281, target 0.6; steps to 0.6 per seed):
 
-    --ours_recipe  ours steps    TRL steps    ours s/step  TRL s/step  RESULT
-    default        250/240/230  650/570/560  0.192        0.337       ours 53.1 s, TRL 193.8 s: speedup=3.65
-    issue          600/570/510  650/570/560  0.105        0.347       ours 68.0 s, TRL 199.6 s: speedup=2.93
-    issue (again)  600/570/510  650/570/560  0.110        0.342       ours 74.8 s, TRL 190.9 s: speedup=2.55
+    --ours_recipe  ours steps   TRL steps    s/step ours  TRL    s to 0.6 ours  TRL    speedup
+    default        250/240/230  650/570/560  0.192        0.337  53.1           193.8  3.65
+    issue          600/570/510  650/570/560  0.105        0.347  68.0           199.6  2.93
+    issue (again)  600/570/510  650/570/560  0.110        0.342  74.8           190.9  2.55
 
 On TRL's exact settings both sides take about the same steps to 0.6 (ours 0-9% fewer per
-seed), so the 3.1-3.3x of per-step cost is the whole ratio there, less ours' compiles (~3-4 s for the first
-step, ~2.7 s for each new length): 600 steps x 0.104 s = 62 s of steps in 73.6 s. The default
-recipe's 16 prompts a step cost 1.8x a step and need 2.4x fewer steps.
+seed), so the 3.1-3.3x of per-step cost is the whole ratio there, less ours' compiles (~3-4 s
+for the first step, ~2.7 s for each new length): 600 steps x 0.104 s = 62 s of steps in
+73.6 s. The default recipe's 16 prompts a step cost 1.8x a step and need 2.4x fewer steps.
 """
 from __future__ import annotations
 

@@ -90,17 +90,16 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
   adv = compute_advantages(trajs, advantage, baseline,
                            allow_ungraded=bool(needs & teacher_lib.FIELDS))
   scored = [t for t, k in zip(trajs, adv.keep) if k and t.reward is not None]
-  kept_n, select_metrics = adv.keep, {}
-  if train_groups is not None:
-    kept_n, select_metrics = signal_first(trajs, adv, train_groups)
-  keep = [t for t, k in zip(trajs, kept_n) if k]
+  trained, select_metrics = (signal_first(trajs, adv, train_groups) if train_groups is not None
+                             else (adv.keep, {}))
+  keep = [t for t, k in zip(trajs, trained) if k]
   metrics: dict[str, float] = {}
   teacher_metrics: dict[str, float] = {}
   shape_metrics: dict[str, float] = {}
   t1 = time.perf_counter()
   train = max_over_processes([len(keep)])[0] > 0   # the job's decision (module docstring)
   if train:
-    batch = batching.build_batch(keep, adv.advantages[kept_n].tolist(), batch_cfg)
+    batch = batching.build_batch(keep, adv.advantages[trained].tolist(), batch_cfg)
     if batch_cfg.trim:   # a collective with several processes, like learner.step below
       agree = (max_over_processes if shapes is None
                else lambda own: shapes.choose(max_over_processes(own)))

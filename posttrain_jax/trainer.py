@@ -200,8 +200,8 @@ class Trainer:
     if self.bank.endless or cfg.tasks.num_epochs is None:
       return
     have = len(self.bank.dataset())
-    need = cfg.sft.steps * cfg.sft.batch_size + cfg.rl.steps * _drawn_per_step(cfg.rl,
-                                                                            cfg.rl.prompts_per_step)
+    rl_draws = cfg.rl.steps * _drawn_per_step(cfg.rl, cfg.rl.prompts_per_step)
+    need = cfg.sft.steps * cfg.sft.batch_size + rl_draws
     if need > have:
       raise ConfigTypeError(
           f"config.tasks.num_epochs={cfg.tasks.num_epochs}: the task bank yields {have} tasks "
@@ -749,7 +749,8 @@ def _job_mean(mean: float, count: int) -> float:
 
 
 def _drawn_per_step(rl, prompts: int) -> int:
-  """Tasks a sync RL step draws: `prompts`, more with rl.oversample (rl_step.signal_first)."""
+  """Tasks a sync RL step draws: `prompts`, more with rl.oversample (rl_step.signal_first);
+  the 1e-9 keeps float error (50 · (1 + 0.1) = 55.00000000000001) from drawing one more."""
   return math.ceil(prompts * (1 + rl.oversample) - 1e-9) if rl.oversample > 0 else prompts
 
 

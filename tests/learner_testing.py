@@ -1,5 +1,6 @@
-"""Helpers for learner tests: a small model, random trajectories, and a check that two layouts
-of the same sequences train alike."""
+"""Helpers for learner tests: a small model, random trajectories, a rollout source that replays
+fixed trajectories, and a check that two layouts of the same sequences train alike."""
+import copy
 import dataclasses
 
 import jax
@@ -19,6 +20,22 @@ CFG = ModelConfig(family="qwen3", vocab_size=VOCAB, hidden_size=32, intermediate
 
 def small_model(seed=0, **overrides):
   return hf_io.init_model(CFG.replace(**overrides), seed)
+
+
+class FixedSource:
+  """A rollout source (rl_step's) that returns the same graded trajectories every step."""
+
+  def __init__(self, trajs):
+    self.trajs = trajs
+
+  def update_weights(self, params, version):
+    pass
+
+  def collect(self, step):
+    return [], copy.deepcopy(self.trajs)
+
+  def metrics(self):
+    return {}
 
 
 def random_trajectories(n, seed=0, max_prompt=6, max_completion=9, group=4):

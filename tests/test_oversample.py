@@ -1,7 +1,6 @@
 """rl.oversample (DAPO's dynamic sampling, one round): which groups a step trains, against
 hand-picked groups; a step that trains them against a step given only those groups; the run
 that draws the extra prompts and reports what it left out."""
-import copy
 
 import jax
 import numpy as np
@@ -16,7 +15,7 @@ from posttrain_jax.rl_step import rl_step, signal_first
 from posttrain_jax.run_config import run_config_from_dict
 from posttrain_jax.trainer import Trainer
 from posttrain_jax.types import Status, Trajectory
-from tests.learner_testing import VOCAB, small_model
+from tests.learner_testing import VOCAB, FixedSource, small_model
 from tests.test_trainer import tiny_run
 
 
@@ -67,20 +66,6 @@ def test_signal_groups_are_trained_first_in_draw_order_then_the_rest():
     signal_first(trajs, adv, 0)
 
 
-class _Fixed:
-  def __init__(self, trajs):
-    self.trajs = trajs
-
-  def update_weights(self, params, version):
-    pass
-
-  def collect(self, step):
-    return [], copy.deepcopy(self.trajs)
-
-  def metrics(self):
-    return {}
-
-
 def _learner():
   return Learner(small_model(), LearnerConfig(
       loss="grpo", optimizer=OptimizerConfig(learning_rate=1e-2)))
@@ -92,8 +77,8 @@ def test_a_step_trains_the_chosen_groups_as_if_only_they_were_drawn():
   cfg = batching.BatchConfig(rows=16, seq_len=16, max_seqs=16, pack=False)
   kw = dict(advantage=AdvantageConfig(), step=0, version=0, batch_cfg=cfg)
   picked, alone = _learner(), _learner()
-  a = rl_step(picked, _Fixed(trajs), train_groups=2, **kw)
-  b = rl_step(alone, _Fixed(only), **kw)
+  a = rl_step(picked, FixedSource(trajs), train_groups=2, **kw)
+  b = rl_step(alone, FixedSource(only), **kw)
   for k in ("loss", "pg_loss", "grad_norm", "tokens"):
     assert a.metrics[k] == pytest.approx(b.metrics[k], rel=1e-6), k
   for x, y in zip(jax.tree.leaves(picked.params), jax.tree.leaves(alone.params)):

@@ -4,7 +4,6 @@ micro-batched on a mesh, one shape on every process of a job, a bounded number o
 and a report-only reference forward every `kl_every` versions changes nothing but when the
 `kl` metric appears (absent, not 0, in metrics.jsonl and the plot)."""
 import ast
-import copy
 import dataclasses
 
 import jax
@@ -22,8 +21,8 @@ from posttrain_jax.sharding import MeshConfig, make_mesh
 from posttrain_jax.models import hf_io
 from posttrain_jax.types import TrainBatch, Trajectory
 from tests.distributed_testing import run_processes
-from tests.learner_testing import (CFG, VOCAB, assert_same_training, grads, random_trajectories,
-                                   small_model, with_scored_fields)
+from tests.learner_testing import (CFG, VOCAB, FixedSource, assert_same_training, grads,
+                                   random_trajectories, small_model, with_scored_fields)
 
 FULL = batching.BatchConfig(rows=32, seq_len=40, max_seqs=32, pack=False, trim=False)
 
@@ -149,22 +148,6 @@ def test_the_padded_vs_trimmed_comparison_sees_one_cut_token():
                  for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_cut)))
 
 
-class _Fixed:
-  """A rollout source that returns the same graded trajectories every step."""
-
-  def __init__(self, trajs):
-    self.trajs = trajs
-
-  def update_weights(self, params, version):
-    pass
-
-  def collect(self, step):
-    return [], copy.deepcopy(self.trajs)
-
-  def metrics(self):
-    return {}
-
-
 def _learner(mesh=None, micro_batches=1, loss_cfg=None):
   cfg = LearnerConfig(loss="grpo", micro_batches=micro_batches,
                       optimizer=OptimizerConfig(learning_rate=1e-2))
@@ -190,7 +173,7 @@ def _record_shapes(learner):
 @pytest.mark.slow  # > 30 s: CI's slow stage
 def test_rl_step_on_a_trimmed_batch_trains_like_the_padded_one(micro_batches):
   mesh = make_mesh(MeshConfig())        # 8 devices, fsdp=8: rows stay multiples of 8 · M
-  source = _Fixed(random_trajectories(16, seed=3))
+  source = FixedSource(random_trajectories(16, seed=3))
   kw = dict(advantage=AdvantageConfig(), step=0, version=0)
   out, shapes = {}, {}
   for trim in (False, True):
@@ -282,7 +265,7 @@ def test_bucketing_bounds_the_train_steps_compiles():
     cfg = dataclasses.replace(FULL, rows=32, trim=trim)
     try:
       for v, (n, length) in enumerate(steps):
-        assert not rl_step(learner, _Fixed(_of_length(n, length, seed=v)), step=v, version=v,
+        assert not rl_step(learner, FixedSource(_of_length(n, length, seed=v)), step=v, version=v,
                            advantage=AdvantageConfig(),
                            batch_cfg=cfg).metrics["skipped_update"]
     finally:
@@ -294,7 +277,7 @@ def test_bucketing_bounds_the_train_steps_compiles():
 
 @pytest.mark.slow  # > 30 s: CI's slow stage
 def test_report_only_reference_every_kl_every_versions_changes_only_when_kl_is_logged(tmp_path):
-  source = _Fixed(random_trajectories(8, seed=4))
+  source = FixedSource(random_trajectories(8, seed=4))
   cfg = dataclasses.replace(FULL, rows=8)
   out = {}
   for every in (1, 2):
@@ -370,7 +353,7 @@ def test_reused_shapes_train_like_own_buckets_with_fewer_compiles():
     compiles, stop = _count_step_compiles(learner)
     policy = batching.ShapeReuse() if reuse else None
     try:
-      m = [rl_step(learner, _Fixed(_of_length(n, length, seed=v)), step=v, version=v,
+      m = [rl_step(learner, FixedSource(_of_length(n, length, seed=v)), step=v, version=v,
                    advantage=AdvantageConfig(), batch_cfg=cfg, shapes=policy).metrics
            for v, (n, length) in enumerate(steps)]
     finally:

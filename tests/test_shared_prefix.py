@@ -3,7 +3,6 @@ sequences attend one copy of their prompt, and the loss, every metric and the gr
 plain layout's (through each loss family, multi-turn masks, groups split over several rows,
 micro-batches and a whole rl_step); a control shows the comparison fails when the branches
 cannot see the prefix."""
-import copy
 import dataclasses
 
 import jax
@@ -17,8 +16,8 @@ from posttrain_jax.learner import Learner, LearnerConfig, OptimizerConfig
 from posttrain_jax.losses import FullDistillConfig, GRPOConfig, GSPOConfig, M2POConfig, get_loss
 from posttrain_jax.rl_step import rl_step
 from posttrain_jax.types import Trajectory
-from tests.learner_testing import (CFG, VOCAB, assert_same_training, grads, small_model,
-                                   with_scored_fields)
+from tests.learner_testing import (CFG, VOCAB, FixedSource, assert_same_training, grads,
+                                   small_model, with_scored_fields)
 
 PLAIN = batching.BatchConfig(rows=32, seq_len=48, max_seqs=32, pack=False, share_prefix=False)
 SHARED = dataclasses.replace(PLAIN, share_prefix=True)
@@ -157,25 +156,9 @@ def test_the_comparison_fails_when_the_branches_cannot_see_the_prefix():
   assert not np.isclose(float(m_blind["loss"][0]), float(m_plain["loss"][0]), rtol=1e-4)
 
 
-class _Fixed:
-  """A rollout source that returns the same graded trajectories every step."""
-
-  def __init__(self, trajs):
-    self.trajs = trajs
-
-  def update_weights(self, params, version):
-    pass
-
-  def collect(self, step):
-    return [], copy.deepcopy(self.trajs)
-
-  def metrics(self):
-    return {}
-
-
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_rl_step_with_shared_prefixes_updates_like_the_plain_layout(micro_batches):
-  source = _Fixed(group_trajectories(seed=4))
+  source = FixedSource(group_trajectories(seed=4))
   out = {}
   for cfg in (PLAIN, SHARED):
     learner = Learner(small_model(), LearnerConfig(
