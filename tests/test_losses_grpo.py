@@ -125,6 +125,40 @@ def test_gspo_hand():
   np.testing.assert_allclose(metrics["loss"][1], 2.0)
 
 
+@pytest.mark.parametrize("spread", [0.05, 0.5])
+def test_gspo_correction_weights_each_sequence_by_its_tokens_mean_weight(spread):
+  """Async GSPO is corrected (it had no slot): sequence i's term times c̄_i = mean_t min(ρ_t,
+  cap), ρ_t = π_old/μ, computed here in numpy from the sequences alone; the gradient likewise."""
+  seqs = random_seqs(np.random.default_rng(7), spread=spread)
+  base = GSPOConfig(eps_low=0.2, eps_high=0.2)
+  cap = 1.5
+  corrected = GSPOConfig(eps_low=0.2, eps_high=0.2, correction="tis",
+                         correction_cfg=TISConfig(cap=cap))
+  n = len(seqs)
+  want, want_grad = 0.0, []
+  for s in seqs:   # each sequence alone: its own uncorrected loss and gradient, times c̄_i
+    loss_i, _, grad_i = _run("gspo", base, [s])
+    m = s.mask > 0
+    c_bar = float(np.mean(np.minimum(np.exp(s.old[m] - s.beh[m]), cap)))
+    want += c_bar * loss_i / n
+    want_grad.append(c_bar * grad_i[0] / n)
+  loss, metrics, grad = _run("gspo", corrected, seqs)
+  assert loss == pytest.approx(want, rel=1e-5, abs=1e-7)
+  for g, w in zip(grad, want_grad):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-7)
+  assert "correction/is_weight_mean" in metrics
+  uncorrected, _, _ = _run("gspo", base, seqs)
+  assert uncorrected != pytest.approx(loss, rel=1e-3)   # the weights were not all 1
+
+
+def test_async_gspo_gets_the_async_correction():
+  from posttrain_jax.run_config import run_config_from_dict
+  cfg = run_config_from_dict({"rl": {"mode": "async", "learner": {"loss": "gspo"}}})
+  assert cfg.loss_config().correction == "tis"
+  assert run_config_from_dict({"rl": {"learner": {"loss": "gspo"}}}).loss_config().correction \
+      == "none"
+
+
 # ---------------------------------------------------------------- float64 references
 
 PG_CASES = [

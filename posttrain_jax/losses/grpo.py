@@ -41,10 +41,11 @@ behaviour_logp for cispo's ratio_base="behaviour"; both for m2po. A needed field
 raises on both paths; nothing is filled in for it.
 
 Simplifications: the advantage is whatever the batch carries per token (GSPO averages it over
-the sequence's sampled tokens, which equals A_i for the usual broadcast advantage); GSPO takes
-no off-policy correction yet (its loss is per sequence and the corrections give per-token
-weights) and its KL term is aggregated per sequence like its policy term; a correction never
-weights the KL term. M2PO's second moment uses log π_old for log π_θ (the value before the
+the sequence's sampled tokens, which equals A_i for the usual broadcast advantage); GSPO's
+off-policy correction weights sequence i's term by c̄_i, the mean of its tokens' correction
+weights c_t (exact for the sequence-level corrections seq_tis and geo_mask, whose c_t is one
+value per sequence; the mean truncated weight for token-level ones) and its KL term is
+aggregated per sequence like its policy term; a correction never weights the KL term. M2PO's second moment uses log π_old for log π_θ (the value before the
 update; the paper recomputes it at every step), and the mask is per call, so micro-batching
 changes it. Metrics (weighted pairs): loss, pg_loss, clip_frac_low / clip_frac_high (tokens, or
 sequences for GSPO, where the clip removed the gradient), dual_clip_frac, ratio_mean, kl (token
@@ -134,12 +135,16 @@ class GSPOConfig:
   eps_high: float = 4e-4                # s_i clipped above at 1 + eps_high
   kl_coef: float = 0.0                  # β of the KL-to-reference term; 0 = no term
   kl_estimator: str = "k3"              # as GRPOConfig.kl_estimator (k1 only with kl_coef = 0)
+  correction: str = "none"              # a name in losses.off_policy.CORRECTIONS: sequence i's
+                                        # term is weighted by the mean of its tokens' c_t
+  correction_cfg: Any = None            # that correction's config; None = its defaults
 
   def __post_init__(self):
     if not 0.0 <= self.eps_low <= 1.0 or self.eps_high < 0.0:
       raise ValueError(f"GSPOConfig: need 0 ≤ eps_low ≤ 1 and eps_high ≥ 0; got "
                        f"eps_low={self.eps_low}, eps_high={self.eps_high}")
     _validate_kl(self)
+    off_policy.resolve(self.correction, self.correction_cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,7 +328,10 @@ def cispo_loss(logp_bt: jax.Array, batch: TrainBatch, cfg: CISPOConfig):
 # ------------------------------------------------------------------ gspo
 
 def gspo_inputs(cfg: GSPOConfig) -> set[str]:
-  return {"ref_logp"} if cfg.kl_coef > 0 else set()
+  out = set(off_policy.correction_inputs(cfg.correction))
+  if cfg.kl_coef > 0:
+    out.add("ref_logp")
+  return out
 
 
 @register_loss("gspo", GSPOConfig, inputs=gspo_inputs)
@@ -340,7 +348,9 @@ def gspo_loss(logp_bt: jax.Array, batch: TrainBatch, cfg: GSPOConfig):
 
   ratio_s = jnp.exp(agg.seq_sum(logp - base, batch) * inv_len_s)
   adv_s = agg.seq_sum(sg(batch.advantages), batch) * inv_len_s
-  ell_s = _ppo_clip(ratio_s, adv_s, cfg)
+  corr = off_policy.correction_terms(cfg.correction, cfg.correction_cfg, batch, "loss 'gspo'")
+  corr_s = sg(agg.seq_sum(corr.weight_bt, batch) * inv_len_s)   # c̄_i: its tokens' mean c_t
+  ell_s = corr_s * _ppo_clip(ratio_s, adv_s, cfg)
   pg_loss = jnp.sum(keep_s * ell_s) * inv_n
   loss = pg_loss
   if cfg.kl_coef > 0:
@@ -360,7 +370,8 @@ def gspo_loss(logp_bt: jax.Array, batch: TrainBatch, cfg: GSPOConfig):
   if batch.ref_logp is not None:
     metrics["kl"] = agg.token_mean_metric(
         kl_estimate(sg_logp, jnp.where(live, batch.ref_logp, sg_logp), cfg.kl_estimator), batch)
-  metrics.update(off_policy.correction_metrics(sg_logp, batch, None))
+  metrics.update(off_policy.correction_metrics(
+      sg_logp, batch, None if cfg.correction == "none" else corr))
   return loss, metrics
 
 
