@@ -1,7 +1,7 @@
 """Async (actor pool + replay queue) vs sync (generate-then-train) GRPO: samples per second with
 the same engine, learner and tasks, in one process.
 
-Both modes run the trainer's RL step, `posttrain_jax.rl_step.rl_step` (update_weights -> collect
+Both modes run the trainer's RL step, `posttrain_jax.run.rl_step.rl_step` (update_weights -> collect
 -> advantages -> batch -> old_logp for the TIS correction -> learner step) on the tiny model with the embedded JAX sampler;
 only the rollout source differs (SyncRollouts / AsyncRollouts). Sizes are chosen so that the
 two phases of a sync step take about equally long; the sync phase times then bound what overlap
@@ -100,7 +100,7 @@ from posttrain_jax.losses import GRPOConfig  # noqa: E402
 from posttrain_jax.models import hf_io  # noqa: E402
 from posttrain_jax.models.tiny import TinyModelConfig, build_tiny_model  # noqa: E402
 from posttrain_jax.replay import ReplayConfig  # noqa: E402
-from posttrain_jax.rl_step import rl_step  # noqa: E402
+from posttrain_jax.run.rl_step import rl_step  # noqa: E402
 
 
 class Setup:

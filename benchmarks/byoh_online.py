@@ -47,11 +47,11 @@ def _config(args, port: int):
   c = mod.get_config()
   c.workdir = str(args.workdir / "run")
   c.sft.steps = args.sft_steps
-  c.rl.update(mode="traces", steps=args.steps, prompts_per_step=args.sessions_per_step,
+  c.rl.update(mode="online", steps=args.steps, prompts_per_step=args.sessions_per_step,
               reference_kl=False)
   c.rl.traces.update(wait_s=300.0, settle_s=0.0, max_staleness=args.max_staleness)
   c.rl.traces.store.update(path=str(args.workdir / "traces.db"), synchronous="NORMAL")
-  c.rl.traces.online.update(enabled=True, port=port)
+  c.rl.traces.online.update(port=port)
   c.rl.advantage.estimator = "running"
   c.rl.learner.optimizer.update(learning_rate=args.lr, warmup_steps=5)
   c.rl.batch.update(rows=args.sessions_per_step, max_seqs=args.sessions_per_step)
@@ -133,7 +133,7 @@ def main():
     shutil.rmtree(args.workdir)
   port = _free_port()
   cfg = _config(args, port)
-  from posttrain_jax.trainer import Trainer
+  from posttrain_jax.run import Trainer
   trainer = Trainer(cfg, log=print)
   harness = Harness(f"http://127.0.0.1:{port}", cfg, args.clients)
 
@@ -151,7 +151,7 @@ def main():
   result = trainer.run()
   harness.stop.set()
   side.join(timeout=60)
-  closed_at = trainer._source.closed_at or time.time()
+  closed_at = trainer.source.closed_at or time.time()
   minutes = (time.time() - t0) / 60
   during = [c for c in harness.calls if c["t"] < closed_at]
   failed = [c for c in during if not c["ok"]]

@@ -45,7 +45,8 @@ from posttrain_jax.envs.hidden_rule import StringRuleConfig
 from posttrain_jax.learner import Learner, LearnerConfig
 from posttrain_jax.metrics import read_metrics
 from posttrain_jax.models import hf_io
-from posttrain_jax.trainer import Trainer, run_config_from_dict
+from posttrain_jax.run import Trainer
+from posttrain_jax.run_config import run_config_from_dict
 
 TINY = dict(family="qwen3", vocab_size=512, hidden_size=128, intermediate_size=384,
             num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, seed=0)

@@ -107,7 +107,8 @@ import time
 
 from posttrain_jax.audit import audit, change_ratio, summarize
 from posttrain_jax.metrics import read_metrics
-from posttrain_jax.trainer import Trainer, run_config_from_dict
+from posttrain_jax.run import Trainer
+from posttrain_jax.run_config import run_config_from_dict
 from posttrain_jax.types import Status
 
 TASKS = {"min_digits": 4, "max_digits": 4, "ops": "*"}  # configs/tool_math.py's products
@@ -214,10 +215,10 @@ class _CountDropped:
     return {**self._source.metrics(), **self._extra}
 
 
-class _Trainer(Trainer):
-  def _rollout_source(self, learner, engine, base):
-    return _CountDropped(super()._rollout_source(learner, engine, base),
-                         self.workdir / "episodes.jsonl")
+def _Trainer(cfg, log):
+  """A Trainer whose rollout source is wrapped in _CountDropped (the public hook)."""
+  dump = pathlib.Path(cfg.workdir) / "episodes.jsonl"
+  return Trainer(cfg, log=log, wrap_source=lambda source: _CountDropped(source, dump))
 
 
 def rl_rows(workdir: pathlib.Path) -> list[dict]:

@@ -85,8 +85,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from posttrain_jax import batching, learner as learner_lib, rl_step as rl_step_lib
-from posttrain_jax import trainer as trainer_lib
+from posttrain_jax import batching, learner as learner_lib
+from posttrain_jax.run import rl_step as rl_step_lib
+from posttrain_jax.run import loop as trainer_lib
 from posttrain_jax.actors import pool as pool_lib
 from posttrain_jax.actors import rollout as rollout_lib
 from posttrain_jax.checkpoint import Checkpointer
@@ -303,12 +304,12 @@ def measure(case: str, args, model_path=None, variant=None, mode="sync") -> dict
     t0 = time.perf_counter()
     trainer = trainer_lib.Trainer(cfg, log=lambda *_: None)
     p(trainer.tokenizer, "decode", _wrap(clock, "decode to text", trainer.tokenizer.decode))
-    trainer.grader = _wrap(clock, "grading", trainer.grader)
+    trainer.parts.grader = _wrap(clock, "grading", trainer.parts.grader)
     result = trainer.run()
     wall = time.perf_counter() - t0
     # the last measured call's shapes, on the final weights (the ones it saw were donated)
-    prefill = (_prefill_seconds(trainer._engine_obj, *gen_calls[1:]) if gen_calls else 0.0)
-    n_params = trainer.model_cfg.num_params()
+    prefill = (_prefill_seconds(trainer.engine, *gen_calls[1:]) if gen_calls else 0.0)
+    n_params = trainer.parts.model_cfg.num_params()
   n = len(windows)
   total = sum(windows)
   gen_n = gen_calls[0] if gen_calls else 0

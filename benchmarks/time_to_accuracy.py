@@ -104,7 +104,7 @@ def warm_start(work: pathlib.Path, sft_steps: int, sft_lr: float, round_steps: i
   "reach" the target at step 0 and the comparison meaningless (the first run here jumped from
   0.148 to 0.840 in one 100-step round), so that is an error, not a result."""
   from posttrain_jax.run_config import run_config_from_dict
-  from posttrain_jax.trainer import Trainer
+  from posttrain_jax.run import Trainer
 
   path, acc = None, 0.0
   for k in range(max_rounds):
@@ -142,7 +142,7 @@ def warm_start(work: pathlib.Path, sft_steps: int, sft_lr: float, round_steps: i
 def run_ours(warm: pathlib.Path, seed: int, args, work: pathlib.Path, recipe=None) -> dict:
   from posttrain_jax.metrics import read_metrics, time_to_target
   from posttrain_jax.run_config import run_config_from_dict
-  from posttrain_jax.trainer import Trainer
+  from posttrain_jax.run import Trainer
 
   r = recipe or ours_recipe(getattr(args, "ours_recipe", "default"), args.lr)
   n = r["prompts"] * r["group"]

@@ -38,6 +38,6 @@ def get_config(mode: str = ""):
   c.eval.update(every_steps=25, samples_per_prompt=2, max_tokens=12)
   c.checkpoint.update(every_steps=25, max_to_keep=2)
   if mode == "online":
-    c.rl.traces.online.enabled = True
+    c.rl.mode = "online"
     c.rl.traces.max_staleness = 4
   return c

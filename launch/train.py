@@ -69,7 +69,7 @@ def main(argv):
           f"({job[0] if job else 'jax.distributed'}): {jax.local_device_count()} of "
           f"{jax.device_count()} devices", flush=True)
   from posttrain_jax.run_config import run_config_from_dict
-  from posttrain_jax.trainer import Trainer, result_line
+  from posttrain_jax.run import Trainer, result_line
 
   raw = flags.FLAGS.config.to_dict()
   if _WORKDIR.value:

@@ -14,7 +14,9 @@ For single trajectories (BYOH; no group):
     running  A_i = R_i − b_task, b_task an EMA of the task's past rewards (rate `baseline_rate`),
              kept in an explicit `BaselineState` that the caller threads through (and checkpoints).
              Every trajectory of one call uses the state from before the call; a task not seen
-             yet uses the EMA over all tasks; before any reward at all, A = 0.
+             yet uses the EMA over all tasks; before any reward at all, A = 0. A source whose
+             tasks never come back (recorded sessions: `per_task=False`) keeps only that global
+             EMA: a per-task mean would never be read and would grow with every session.
     none     A_i = 0 (for losses whose signal is elsewhere, e.g. distillation)
 
 Rules (ARCHITECTURE.md, REFERENCES.md "failure semantics"):
@@ -84,7 +86,25 @@ def group_stats(rewards_n, group_idx_n, valid_n, num_groups: int):
   return size_g, mean_g, zero_var_g
 
 
-def _group_advantages(kind: str):
+def _std_scaled(dev_n, idx, valid_n, size_g, num_groups, std_ddof, eps):
+  """GRPO: (R − mean) / (std + eps), std with `std_ddof` degrees of freedom."""
+  var_g = np.bincount(idx, weights=np.where(valid_n, dev_n ** 2, 0.0), minlength=num_groups)
+  std_g = np.sqrt(var_g / np.maximum(size_g - std_ddof, 1.0))
+  return dev_n / (std_g[idx] + eps)
+
+
+def _centered(dev_n, idx, valid_n, size_g, num_groups, std_ddof, eps):
+  """Dr.GRPO: R − mean."""
+  return dev_n
+
+
+def _leave_one_out(dev_n, idx, valid_n, size_g, num_groups, std_ddof, eps):
+  """RLOO: G/(G−1)·(R − mean); a group with unequal rewards has at least 2 members."""
+  size_n = size_g[idx]
+  return dev_n * size_n / np.maximum(size_n - 1.0, 1.0)
+
+
+def _group_advantages(name: str, scale):
   def fn(rewards_n, group_idx_n, valid_n, num_groups: int, *, std_ddof: int = 1,
          eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
     valid_n = np.asarray(valid_n, bool)
@@ -93,25 +113,17 @@ def _group_advantages(kind: str):
     size_g, mean_g, zero_var_g = group_stats(r, idx, valid_n, num_groups)
     dev_n = r - mean_g[idx]
     signal_n = valid_n & ~zero_var_g[idx]
-    size_n = size_g[idx]
-    if kind == "grpo":
-      var_g = np.bincount(idx, weights=np.where(valid_n, dev_n ** 2, 0.0), minlength=num_groups)
-      std_g = np.sqrt(var_g / np.maximum(size_g - std_ddof, 1.0))
-      adv_n = dev_n / (std_g[idx] + eps)
-    elif kind == "drgrpo":
-      adv_n = dev_n
-    else:  # rloo; a group with unequal rewards has at least 2 members
-      adv_n = dev_n * size_n / np.maximum(size_n - 1.0, 1.0)
+    adv_n = scale(dev_n, idx, valid_n, size_g, num_groups, std_ddof, eps)
     return np.where(signal_n, adv_n, 0.0).astype(np.float32), zero_var_g
-  fn.__name__ = f"{kind}_advantages"
-  fn.__doc__ = (f"{kind} advantages over groups given as indices in [0, num_groups): returns "
+  fn.__name__ = f"{name}_advantages"
+  fn.__doc__ = (f"{name} advantages over groups given as indices in [0, num_groups): returns "
                 "(adv_n float32, zero_var_g); invalid members and zero-variance groups get 0.")
   return fn
 
 
-grpo_advantages = _group_advantages("grpo")
-drgrpo_advantages = _group_advantages("drgrpo")
-rloo_advantages = _group_advantages("rloo")
+grpo_advantages = _group_advantages("grpo", _std_scaled)
+drgrpo_advantages = _group_advantages("drgrpo", _centered)
+rloo_advantages = _group_advantages("rloo", _leave_one_out)
 
 
 # ------------------------------------------------------------------ single trajectories
@@ -124,9 +136,10 @@ class BaselineState:
 
 
 def running_baseline_advantages(rewards: Sequence[float], task_ids: Sequence[str],
-                                state: BaselineState, rate: float
+                                state: BaselineState, rate: float, per_task: bool = True
                                 ) -> tuple[np.ndarray, BaselineState, int]:
-  """(A_n, new state, number of tasks not seen before); see the module docstring."""
+  """(A_n, new state, number of tasks not seen before); see the module docstring.
+  `per_task=False`: every task is new, b = the global EMA, and no per-task mean is kept."""
   adv = np.zeros(len(rewards), np.float32)
   unseen = set()
   for i, (r, task) in enumerate(zip(rewards, task_ids)):
@@ -138,7 +151,8 @@ def running_baseline_advantages(rewards: Sequence[float], task_ids: Sequence[str
     adv[i] = r - baseline
   means, global_mean = dict(state.task_means), state.global_mean
   for r, task in zip(rewards, task_ids):
-    means[task] = r if task not in means else means[task] + rate * (r - means[task])
+    if per_task:
+      means[task] = r if task not in means else means[task] + rate * (r - means[task])
     global_mean = r if global_mean is None else global_mean + rate * (r - global_mean)
   return adv, BaselineState(means, global_mean), len(unseen)
 
@@ -174,11 +188,12 @@ class AdvantageResult:
 
 def compute_advantages(trajectories: Sequence[Trajectory], cfg: AdvantageConfig = AdvantageConfig(),
                        state: Optional[BaselineState] = None, *,
-                       allow_ungraded: bool = False) -> AdvantageResult:
+                       allow_ungraded: bool = False, per_task: bool = True) -> AdvantageResult:
   """Advantages for a list of trajectories (groups identified by `group_id`).
 
   `allow_ungraded`: a trajectory with reward None that is not an infra error gets A = 0 and
-  stays out of every statistic (module docstring) instead of raising.
+  stays out of every statistic (module docstring) instead of raising. `per_task`: the running
+  baseline keeps a mean per task (False where tasks never come back: recorded sessions).
 
   stats: num_trajectories, infra_excluded, infra_error_frac, ungraded (episodes without a
   reward, infra errors apart), ungraded_frac (of the episodes), num_groups (groups with at least
@@ -237,7 +252,7 @@ def compute_advantages(trajectories: Sequence[Trajectory], cfg: AdvantageConfig 
   elif spec.kind == "running":
     adv, new_state, unseen = running_baseline_advantages(
         [t.reward for t in graded], [t.task_id for t in graded], state or BaselineState(),
-        cfg.baseline_rate)
+        cfg.baseline_rate, per_task)
     adv_heads = np.zeros(len(kept), np.float32)           # ungraded heads keep A = 0
     adv_heads[is_graded] = adv
     advantages[keep] = _spread(every_kept, heads, adv_heads)

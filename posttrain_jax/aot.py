@@ -40,6 +40,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from posttrain_jax.errors import UserError
+from posttrain_jax.engines.registry import engine_spec
 from posttrain_jax.learner import (LearnerConfig, abstract_train_state, make_optimizer,
                                    split_micro_batches, train_step)
 from posttrain_jax.losses import get_loss
@@ -271,8 +272,9 @@ def model_config_of(cfg) -> ModelConfig:
 
 
 def rollout_share(cfg) -> float:
-  """Fraction of each learner GPU an in-process vLLM takes (0 for other engines)."""
-  return float(cfg.engine_config().gpu_memory_utilization) if cfg.rl.engine == "vllm" else 0.0
+  """Fraction of each learner GPU the rollout engine takes (an in-process vLLM's share; 0 for
+  engines outside the learner's devices)."""
+  return engine_spec(cfg.rl.engine).share_of_device(cfg.engine_config())
 
 
 def check(cfg, mesh: Mesh, device_memory_bytes: int) -> tuple[MemoryReport, Compiled]:

@@ -91,7 +91,7 @@ def decide(p: Probe, min_gain: float) -> Decision:
          f"{p.forward_s:.4f} s took {p.together_s:.4f} s at once (overlap {overlap:.2f}); "
          f"async bound {bound:.4f} s/step "
          f"= {100 * gain:+.1f}% vs sync, "
-         f"{'≥' if mode == 'async' else '<'} the {100 * min_gain:.0f}% rl.auto.min_gain")
+         f"{'≥' if gain >= min_gain else '<'} the {100 * min_gain:.0f}% rl.auto.min_gain")
   return Decision(mode, why, overlap, sync, bound)
 
 

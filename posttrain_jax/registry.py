@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Callable, Generic, Optional, TypeVar
+from typing import Callable, Generic, Optional, TypeVar, Union
 
 T = TypeVar("T")
 
@@ -15,16 +15,18 @@ class Registry(Generic[T]):
   typo in a config is answered with the valid choices.
   """
 
-  def __init__(self, kind: str, discover: Optional[str] = None, skip: tuple[str, ...] = ()):
-    """`discover`: a package whose modules register themselves; they are all imported the first
-    time a name is looked up (`import_submodules`), so a new part is one new file."""
+  def __init__(self, kind: str, discover: Union[str, tuple[str, ...], None] = None,
+               skip: tuple[str, ...] = ()):
+    """`discover`: the package(s) whose modules register themselves; they are all imported the
+    first time a name is looked up (`import_submodules`), so a new part is one new file."""
     self.kind = kind
     self._items: dict[str, T] = {}
-    self._discover, self._skip = discover, skip
+    self._discover = (discover,) if isinstance(discover, str) else tuple(discover or ())
+    self._skip = skip
 
   def _discovered(self) -> None:
-    if self._discover is not None:
-      package, self._discover = self._discover, None
+    packages, self._discover = self._discover, ()
+    for package in packages:
       import_submodules(package, self._skip)
 
   def register(self, name: str) -> Callable[[T], T]:

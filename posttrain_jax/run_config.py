@@ -25,8 +25,9 @@ from posttrain_jax.losses.off_policy import CORRECTIONS
 from posttrain_jax.models.tiny import TinyModelConfig
 from posttrain_jax.overlap import AutoModeConfig
 from posttrain_jax.replay import ReplayConfig
+from posttrain_jax.run.sources import source_names, source_spec
 from posttrain_jax.sharding import MeshConfig
-from posttrain_jax.teacher import TeacherConfig
+from posttrain_jax.teacher import FIELDS as TEACHER_FIELDS, TeacherConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,18 +64,17 @@ class SFTPhaseConfig:
   batch: BatchConfig = BatchConfig(rows=32, seq_len=48, max_seqs=64)
 
 
-RL_MODES = ("sync", "async", "auto", "traces")
-
-
 @dataclasses.dataclass(frozen=True)
 class RLPhaseConfig:
-  """GRPO-family training on graded rollouts: generate-then-train ("sync", on-policy), an actor
-  pool sampling while the learner trains ("async", bounded staleness, see actors/pool.py), or
-  graded sessions recorded by the proxy ("traces", byoh/trace_source.py: one trajectory per
-  task, so the `running` baseline; prompts_per_step sessions a step). "auto" starts sync and
-  turns async after `auto.probe_steps` steps where the measured bound says overlap pays
-  (overlap.py)."""
-  mode: str = "sync"              # "sync" | "async" | "auto" | "traces"
+  """GRPO-family training on graded rollouts from the rollout source `mode` (run/sources/):
+  generate-then-train ("sync", on-policy), an actor pool sampling while the learner trains
+  ("async", bounded staleness, see actors/pool.py), graded sessions recorded by the proxy
+  ("traces", byoh/trace_source.py: one trajectory per task, so the `running` baseline;
+  prompts_per_step sessions a step), the same while serving the policy ("online"), or "auto":
+  sync, turning async after `auto.probe_steps` steps where the measured bound says overlap
+  pays (overlap.py)."""
+  mode: str = "sync"              # a rollout source (run/sources/): sync | async | auto |
+                                  # traces | online
   auto: AutoModeConfig = AutoModeConfig()  # auto: the probe and the gain it must predict
   engine: str = "jax"             # rollout engine (engines/registry.py): jax | vllm | openai
   engine_config: Any = None       # that engine's config (class from the registry); None = defaults
@@ -83,7 +83,7 @@ class RLPhaseConfig:
   replay: ReplayConfig = ReplayConfig()  # async: the replay queue (max_staleness, filter, ...)
   pool: PoolConfig = PoolConfig()  # async: the actor pool (concurrency, shutdown)
   retry: RetryConfig = RetryConfig()  # failed episodes: retries with backoff, requeues (both modes)
-  traces: TraceSourceConfig = TraceSourceConfig()  # traces: the store and which sessions
+  traces: TraceSourceConfig = TraceSourceConfig()  # traces / online: the store, which sessions
   async_correction: str = "tis"   # async / traces: correction used when the loss's is "none"
                                   # ("none" = off)
   steps: int = 100                # optimizer steps
@@ -104,8 +104,9 @@ class RLPhaseConfig:
   batch: BatchConfig = BatchConfig(rows=128, seq_len=48, max_seqs=256)
 
   def __post_init__(self):
-    if self.mode not in RL_MODES:
-      raise ValueError(f"RLPhaseConfig.mode is {self.mode!r}; valid: {RL_MODES}")
+    if self.mode not in source_names():
+      raise ValueError(f"RLPhaseConfig.mode is {self.mode!r}; valid: {source_names()}")
+    source = source_spec(self.mode)
     if self.engine not in engine_names():
       raise ValueError(f"RLPhaseConfig.engine is {self.engine!r}; valid: {engine_names()}")
     CORRECTIONS.get(self.async_correction)
@@ -116,7 +117,7 @@ class RLPhaseConfig:
         raise ValueError(f"RLPhaseConfig.{name} must be ≥ {low}, got {getattr(self, name)}")
     if not self.oversample >= 0:
       raise ValueError(f"RLPhaseConfig.oversample must be ≥ 0, got {self.oversample}")
-    if self.oversample > 0 and self.mode in ("async", "traces"):
+    if self.oversample > 0 and not source.oversamples:
       raise ValueError(f"rl.oversample={self.oversample} draws extra prompts in sync rollouts; "
                        f"rl.mode={self.mode!r} does not draw them (async: replay.filter="
                        "'zero_variance' keeps only groups with a signal)")
@@ -125,14 +126,11 @@ class RLPhaseConfig:
       raise ValueError(f"advantage.estimator={self.advantage.estimator!r} is a group baseline: it "
                        f"needs rollout.group_size ≥ 2 (got {g}); for one sample per prompt use "
                        "'running'")
-    if self.mode == "traces" and ADVANTAGE_ESTIMATORS.get(self.advantage.estimator).kind == "group":
-      raise ValueError(f"rl.mode='traces' trains on single recorded sessions (no groups): "
+    if not source.groups and ADVANTAGE_ESTIMATORS.get(self.advantage.estimator).kind == "group":
+      raise ValueError(f"rl.mode={self.mode!r} trains on single trajectories (no groups): "
                        f"advantage.estimator={self.advantage.estimator!r} needs groups; use "
                        "'running'")
-    if self.mode == "async" and self.replay.min_scored > g:   # "auto" then stays sync
-      raise ValueError(f"replay.min_scored={self.replay.min_scored} > rollout.group_size={g}: "
-                       "every group would be dropped; lower min_scored to at most group_size")
-    if self.prompts_per_step * (1 if self.mode == "traces" else g) > self.batch.max_seqs:
+    if self.prompts_per_step * (g if source.groups else 1) > self.batch.max_seqs:
       raise ValueError(f"prompts_per_step × rollout.group_size = {self.prompts_per_step * g} "
                        f"sequences exceed batch.max_seqs={self.batch.max_seqs}")
     ep = (self.episode_config if self.episode_config is not None
@@ -218,35 +216,32 @@ class RunConfig:
       raise ValueError(f"loss {self.rl.learner.loss!r} reads teacher_logp but not teacher_mask: "
                        "the self-teacher (teacher.py) scores only samples with context and leaves "
                        "0 elsewhere, which this loss would train towards; use 'sampled_distill'")
-    distills = bool(needs & {"teacher_logp", "teacher_hidden"})
-    require = self.rl.traces.require
-    if self.rl.mode == "traces" and require != "grade":
-      if not distills:
-        raise ValueError(f"rl.traces.require={require!r} takes sessions without a grade, whose "
-                         f"samples have no reward; loss {self.rl.learner.loss!r} learns only from "
-                         "rewards and would train them on advantage 0: use a distillation loss "
-                         "('sampled_distill', 'full_distill') or rl.traces.require='grade'")
-      if self.rl.teacher.context in ("reference", "sibling"):
-        raise ValueError(f"rl.traces.require={require!r} with rl.teacher.context="
-                         f"{self.rl.teacher.context!r}: a recorded session has no reference "
-                         "solution and no siblings, so this teacher would score none of the "
-                         "sessions taken for their feedback; use context 'feedback' or 'sdpo'")
+    source = source_spec(self.rl.mode)
+    if source.check is not None:
+      source.check(self)
+    distills = self.distills()
     if distills and self.rl.update_epochs > 1:
       raise ValueError(f"rl.update_epochs={self.rl.update_epochs} with a distillation loss: the "
                        "teacher scores a batch once, before its first update; use 1")
 
-  def loss_config(self, mode: Optional[str] = None):
-    """The RL loss's config in `mode` (default rl.mode; "auto" trains sync until it turns
-    async); in async and traces mode a loss that can correct off-policy samples and was given
-    none gets `rl.async_correction` (stale samples are never trained as on-policy silently)."""
-    mode = self.rl.mode if mode is None else mode
+  def loss_config(self, off_policy: Optional[bool] = None):
+    """The RL loss's config. For off-policy samples (`off_policy`; default: whether rl.mode's
+    source yields them at the start of a run; "auto" starts on-policy), a loss that can correct
+    them and was given no correction gets `rl.async_correction`: stale samples are never trained
+    as on-policy silently. A loss without a correction slot trains them as given."""
+    if off_policy is None:
+      off_policy = source_spec(self.rl.mode).off_policy
     spec = get_loss(self.rl.learner.loss)
     cfg = self.rl.loss if self.rl.loss is not None else spec.config_cls()
     names = {f.name for f in dataclasses.fields(cfg)}
-    if (mode in ("async", "traces") and "correction" in names and cfg.correction == "none"
+    if (off_policy and "correction" in names and cfg.correction == "none"
         and self.rl.async_correction != "none"):
       cfg = dataclasses.replace(cfg, correction=self.rl.async_correction, correction_cfg=None)
     return cfg
+
+  def distills(self) -> bool:
+    """The RL loss reads a teacher's fields (a distillation loss)."""
+    return bool(get_loss(self.rl.learner.loss).needs(self.loss_config()) & TEACHER_FIELDS)
 
   def episode_config(self):
     """The episode type's config (`rl.episode_config`, or its defaults)."""

@@ -28,15 +28,9 @@ A trajectory without context gets teacher_mask 0 on every token: the distillatio
 it, and `distill/no_context_frac` counts it. A context function returning "" (`none`) means the
 student's prompt ids unchanged, not a re-rendered chat.
 
-Weights: "student" scores with the current parameters (before this step's update: on-policy,
-the teacher is the policy that sampled, plus the context; with stale samples, the current one);
-"ema" with an exponential moving average θ_T ← θ_T + r (θ − θ_T) of them, updated after every RL
-step (rate r, SDPO's default 0.05), starting from the RL start weights and saved with every
-checkpoint (a resumed run continues the same average); "frozen" with the RL start weights
-throughout; "checkpoint" with another model read from `checkpoint` (an HF directory: its own
-graph, sharded on the learner's mesh like the learner's parameters, never updated). That model
-may differ in size and architecture but must share the student's vocabulary (and tokenizer,
-when both directories have one): it scores the student's token ids.
+Weights (teacher_weights.py, a registry: `rl.teacher.weights`): "student" scores with the
+current parameters (before this step's update), "ema" with a moving average of them, "frozen"
+with the RL start weights, "checkpoint" with another model of the student's vocabulary.
 
 A teacher that shares the current weights moves with every update, and a full-distribution loss
 can then pull student and teacher together to a degenerate agreement (measured on the
@@ -48,34 +42,24 @@ teacher_hidden is [B, T, D_T] in its hidden size (kernels/teacher.py takes D_T �
 from __future__ import annotations
 
 import dataclasses
-import functools
-import pathlib
 from typing import Any, Callable, Optional, Sequence
 
-import jax
 import numpy as np
-from flax import nnx
 
 from posttrain_jax import batching
-from posttrain_jax.errors import UserError
-from posttrain_jax.learner import LearnerConfig, hidden_states, token_logprobs
-from posttrain_jax.models import hf_io
-from posttrain_jax.models.decoder import Decoder
 from posttrain_jax.registry import Registry
+from posttrain_jax.teacher_weights import (TEACHER_WEIGHTS, Student, TeacherCheckpointError,
+                                           TeacherModel, TeacherStart, check_teacher_checkpoint,
+                                           ema_update, teacher_weights)
 from posttrain_jax.types import TrainBatch, Trajectory
 
 ContextFn = Callable[[Trajectory, Sequence[Trajectory], Any, "TeacherConfig"], Optional[str]]
 CONTEXTS: Registry[ContextFn] = Registry("teacher context")
-WEIGHTS = ("student", "ema", "frozen", "checkpoint")
 FIELDS = frozenset({"teacher_logp", "teacher_mask", "teacher_hidden"})  # the TrainBatch fields it fills
 
 
 class AlignmentError(ValueError):
   """The teacher's sampled positions do not match the student's token for token."""
-
-
-class TeacherCheckpointError(UserError, ValueError):
-  """rl.teacher.checkpoint names a model that cannot score the student's tokens."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +71,8 @@ class TeacherConfig:
   reference_template: str = "A correct solution: {text}"
   sibling_template: str = "A correct answer: {text}"
   success_reward: float = 1.0     # a sibling with reward ≥ this is successful
-  weights: str = "student"        # "student" (current weights) | "ema" | "frozen" | "checkpoint"
+  weights: str = "student"        # a name in TEACHER_WEIGHTS (teacher_weights.py): "student"
+                                  # (current weights) | "ema" | "frozen" | "checkpoint"
   ema_rate: float = 0.05          # r in θ_T ← θ_T + r (θ − θ_T), weights="ema" only
                                   # ("frozen": the RL start weights, never updated)
   checkpoint: str = ""            # weights="checkpoint": the teacher's HF model directory (any
@@ -96,20 +81,17 @@ class TeacherConfig:
 
   def __post_init__(self):
     CONTEXTS.get(self.context)
-    if self.weights not in WEIGHTS:
-      raise ValueError(f"TeacherConfig.weights is {self.weights!r}; valid: {WEIGHTS}")
-    if self.weights == "checkpoint" and not self.checkpoint:
-      raise ValueError("TeacherConfig.checkpoint (rl.teacher.checkpoint) is empty: weights="
-                       "'checkpoint' needs the teacher's HF model directory, e.g. "
-                       "--config.rl.teacher.checkpoint=DIR")
-    if self.checkpoint and self.weights != "checkpoint":
+    try:
+      spec = TEACHER_WEIGHTS.get(self.weights)
+    except KeyError as e:
+      raise ValueError(f"TeacherConfig.weights: {e.args[0]}") from None
+    if self.checkpoint and not spec.reads_checkpoint:
       raise ValueError(f"TeacherConfig.checkpoint (rl.teacher.checkpoint) is "
-                       f"{self.checkpoint!r} but weights is {self.weights!r}: set "
-                       "rl.teacher.weights='checkpoint' to distill from it, or clear it")
-    if self.context == "none" and self.weights == "student":
-      raise ValueError("TeacherConfig.context='none' with weights='student': the teacher would "
-                       "be the student itself, scoring its own tokens (no signal); use weights "
-                       "'checkpoint', 'ema' or 'frozen', or a privileged context")
+                       f"{self.checkpoint!r} but weights is {self.weights!r}, which reads no "
+                       "checkpoint: set rl.teacher.weights='checkpoint' to distill from it, or "
+                       "clear it")
+    if hasattr(spec, "validate"):
+      spec.validate(self)
     if not 0.0 < self.ema_rate <= 1.0:
       raise ValueError(f"TeacherConfig.ema_rate must be in (0, 1], got {self.ema_rate}")
     if "{prompt}" not in self.template or "{context}" not in self.template:
@@ -235,134 +217,47 @@ def align(student: TrainBatch, teacher: TrainBatch, owners: Sequence[int],
   return logp, mask, hidden
 
 
-@jax.jit
-def ema_update(teacher_params, params, rate):
-  """θ_T + r (θ − θ_T), leaf by leaf."""
-  return jax.tree.map(lambda t, p: t + rate * (p.astype(t.dtype) - t), teacher_params, params)
-
-
-class TeacherModel:
-  """Another model's forward pass (weights="checkpoint"): its own graph and parameters (loaded
-  sharded on the learner's mesh), scored with the learner's temperature and LM-head kernel.
-
-  `put_batch` moves a host batch onto the mesh (`Learner.put_batch`).
-  """
-
-  def __init__(self, model: Decoder, learner_cfg: LearnerConfig,
-               put_batch: Callable[[TrainBatch], TrainBatch]):
-    self.cfg = model.cfg
-    self.graphdef, params = nnx.split(model, nnx.Param)
-    self.params = nnx.to_pure_dict(params)
-    self.put_batch = put_batch
-    self._logprobs = jax.jit(functools.partial(token_logprobs, self.graphdef,
-                                               temperature=learner_cfg.temperature,
-                                               impl=learner_cfg.logprob_impl))
-    self._hidden = jax.jit(functools.partial(hidden_states, self.graphdef))
-
-  def logprobs(self, batch: TrainBatch) -> jax.Array:
-    """log T(target_t) [B, T] (0 where loss_mask = 0)."""
-    return self._logprobs(self.params, self.put_batch(batch))
-
-  def hidden(self, batch: TrainBatch) -> jax.Array:
-    """The teacher's final hidden states [B, T, D_T]."""
-    return self._hidden(self.params, self.put_batch(batch))
-
-  def head(self, transposed: bool) -> jax.Array:
-    """The teacher's LM head in the layout `transposed` says ([V, D_T] if True, else [D_T, V])."""
-    w, t = nnx.merge(self.graphdef, self.params).head()
-    return w if t == transposed else w.T
-
-
-def check_teacher_checkpoint(path: str, student_vocab: int, student_tokenizer=None):
-  """The teacher's ModelConfig, after checking it can score the student's ids: the same
-  vocabulary size and, when `student_tokenizer` is given and `path` has tokenizer files, the
-  same token -> id map. Raises TeacherCheckpointError naming rl.teacher.checkpoint."""
-  where = f"rl.teacher.checkpoint={path!r}"
-  try:
-    cfg = hf_io.read_model_config(path)
-  except UserError as e:
-    raise TeacherCheckpointError(f"{where}: {e}") from None
-  if cfg.vocab_size != student_vocab:
-    raise TeacherCheckpointError(
-        f"{where}: the teacher's vocabulary has {cfg.vocab_size} tokens, the student's "
-        f"{student_vocab}; distillation scores the student's token ids, so the teacher must share "
-        "the student's vocabulary (and tokenizer)")
-  d = pathlib.Path(path)
-  if student_tokenizer is not None and any((d / f).exists() for f in ("tokenizer.json",
-                                                                      "tokenizer_config.json")):
-    theirs, ours = hf_io.load_tokenizer(d).get_vocab(), student_tokenizer.get_vocab()
-    if theirs != ours:
-      diff = sorted(set(theirs.items()) ^ set(ours.items()))
-      tok = diff[0][0]
-      raise TeacherCheckpointError(
-          f"{where}: the teacher's tokenizer differs from the student's ({len(theirs)} vs "
-          f"{len(ours)} tokens; e.g. {tok!r} is id {ours.get(tok)} for the student and "
-          f"{theirs.get(tok)} for the teacher); both must map text to the same ids")
-  return cfg
-
-
 class SelfTeacher:
   """Fills `teacher_logp` / `teacher_mask` of a student batch (see the module docstring).
 
   `encode(messages, tools) -> prompt ids` renders a chat with the generation prompt and the
   tools (None: no tools), the same rendering the rollouts use; `tasks` maps task ids to Task
-  records for the "reference" context. `ema_params`: the EMA / frozen weights; `model`: the
-  other checkpoint's TeacherModel (weights="checkpoint").
+  records for the "reference" context. `weights`: whose weights score (teacher_weights.py; the
+  student's current ones by default).
   """
 
   def __init__(self, cfg: TeacherConfig, encode: Callable[[list, Optional[list]], list[int]],
-               student_batch: batching.BatchConfig, ema_params: Any = None,
-               model: Optional[TeacherModel] = None):
+               student_batch: batching.BatchConfig, weights: Any = None):
     self.cfg = cfg
     self.encode = encode
     self.batch_cfg = dataclasses.replace(student_batch, seq_len=cfg.seq_len)
     self.context_fn = CONTEXTS.get(cfg.context)
-    self.ema_params = ema_params
-    self.model = model
-    self._head = None     # the other checkpoint's head in the student's layout (step_inputs)
-    if cfg.weights == "checkpoint" and model is None:
-      raise ValueError("TeacherConfig.weights='checkpoint' needs the teacher's model (model)")
-    if cfg.weights in ("ema", "frozen") and ema_params is None:
-      raise ValueError(f"TeacherConfig.weights={cfg.weights!r} needs the starting weights "
-                       "(ema_params)")
+    self.weights = weights if weights is not None else Student()
+
+  @classmethod
+  def start(cls, cfg: TeacherConfig, encode, student_batch, ctx: TeacherStart) -> "SelfTeacher":
+    """The teacher of an RL phase: its weights from the registry entry `cfg.weights`."""
+    return cls(cfg, encode, student_batch, teacher_weights(cfg.weights).start(cfg, ctx))
 
   def params(self, learner):
     """The teacher's parameters (the other checkpoint's for weights="checkpoint")."""
-    if self.model is not None:
-      return self.model.params
-    return learner.params if self.cfg.weights == "student" else self.ema_params
+    return self.weights.params(learner)
 
   def step_inputs(self, learner) -> dict:
     """Extra arguments of learner.step: a head loss's teacher head when it is not the student's."""
-    if self.cfg.weights == "student" or not learner.spec.head:
-      return {}
-    if self.model is not None:     # fixed weights: put into the student's layout once
-      if self._head is None:
-        self._head = self.model.head(transposed=learner.model().head()[1])
-      return {"teacher_w": self._head}
-    w, _ = nnx.merge(learner.graphdef, self.ema_params).head()
-    return {"teacher_w": w}
-
-  def _score(self, learner, tb: TrainBatch, needs):
-    """(log T of each target [B, T] or None, hidden states [B, T, D_T] or None) of `tb`."""
-    if self.model is not None:
-      logp = self.model.logprobs(tb) if "teacher_logp" in needs else None
-      hidden = self.model.hidden(tb) if "teacher_hidden" in needs else None
-    else:
-      params = self.params(learner)
-      logp = learner.logprobs(tb, params) if "teacher_logp" in needs else None
-      hidden = learner.hidden(tb, params) if "teacher_hidden" in needs else None
-    return (None if logp is None else np.asarray(logp),
-            None if hidden is None else np.asarray(hidden))
+    return self.weights.step_inputs(learner)
 
   def hidden_size(self, learner) -> int:
     """D_T: the width of teacher_hidden."""
-    return (self.model.cfg if self.model is not None else learner.model().cfg).hidden_size
+    return self.weights.hidden_size(learner)
 
   def after_update(self, learner) -> None:
-    """Moves the EMA towards the student's new weights (nothing for weights="student")."""
-    if self.cfg.weights == "ema":
-      self.ema_params = ema_update(self.ema_params, learner.params, self.cfg.ema_rate)
+    """Moves an EMA towards the student's new weights (nothing for the others)."""
+    self.weights.after_update(learner)
+
+  def saved(self) -> dict:
+    """Arrays the checkpoint keeps for this teacher (an EMA's), by name."""
+    return self.weights.saved()
 
   def sequences(self, trajs: Sequence[Trajectory], tasks: Optional[dict] = None
                 ) -> tuple[list[int], list[Trajectory], int]:
@@ -408,7 +303,7 @@ class SelfTeacher:
       except batching.BatchError as e:
         raise batching.BatchError(f"the teacher's batch (rl.teacher.seq_len={self.cfg.seq_len}, "
                                   f"rows={self.batch_cfg.rows}): {e}") from None
-      t_logp, t_hidden = self._score(learner, tb, needs)
+      t_logp, t_hidden = self.weights.score(learner, tb, needs)
       logp, mask, hidden = align(batch, tb, owners, t_logp, [t.id for t in trajs], t_hidden)
     elif want_hidden:   # nothing scored: an all-zero state beside an all-zero mask
       hidden = np.zeros((*shape, self.hidden_size(learner)), np.float32)
@@ -417,3 +312,10 @@ class SelfTeacher:
                "distill/no_prompt_frac": no_prompt / n}
     return dataclasses.replace(batch, teacher_logp=logp if "teacher_logp" in needs else None,
                                teacher_mask=mask, teacher_hidden=hidden), metrics
+
+
+__all__ = ["AlignmentError", "CONTEXTS", "FIELDS", "SelfTeacher", "TeacherConfig",
+           "TeacherStart", "align", "teacher_messages", "teacher_trajectory",
+           # whose weights (teacher_weights.py), re-exported for callers of this module
+           "TEACHER_WEIGHTS", "TeacherCheckpointError", "TeacherModel",
+           "check_teacher_checkpoint", "ema_update", "teacher_weights"]

@@ -144,6 +144,22 @@ def test_running_baseline_hand():
   assert res.state == BaselineState({"a": 1.0, "b": 0.0}, 0.5)   # the old state is unchanged
 
 
+def test_running_baseline_without_per_task_means_for_tasks_that_never_return():
+  """Recorded sessions (per_task=False): each is new, so b = the global EMA, and no per-task
+  mean is stored: the state stays one number however many sessions pass."""
+  cfg = AdvantageConfig(estimator="running", baseline_rate=0.5)
+  t = lambda task, r: dataclasses.replace(_traj(None, r), task_id=task, group_id=None)
+  state = None
+  for k in range(50):
+    res = compute_advantages([t(f"s{k}", float(k % 2))], cfg, state, per_task=False)
+    if state is not None:   # A = r − the global EMA before this call
+      np.testing.assert_allclose(res.advantages, [float(k % 2) - state.global_mean], rtol=1e-6)
+    state = res.state
+  assert state.task_means == {} and 0.0 < state.global_mean < 1.0
+  kept = compute_advantages([t("s0", 1.0), t("s0", 0.0)], cfg, None).state
+  assert kept.task_means == {"s0": 0.5}   # a task bank's tasks keep theirs
+
+
 def test_running_baseline_matches_loop_reference():
   rng = np.random.default_rng(8)
   cfg = AdvantageConfig(estimator="running", baseline_rate=0.2)

@@ -11,7 +11,7 @@ from posttrain_jax.engines.jax_sampler import JaxSampler, JaxSamplerConfig
 from posttrain_jax.metrics import read_metrics
 from posttrain_jax.models import hf_io
 from posttrain_jax.run_config import run_config_from_dict
-from posttrain_jax.trainer import Trainer
+from posttrain_jax.run import Trainer
 from tests import byoh_testing as bt
 from tests import envs_testing as et
 
@@ -111,9 +111,9 @@ def test_online_mode_serves_trains_and_swaps_weights_without_a_failed_call(tmp_p
   import threading
   import time
   db, port = tmp_path / "traces.db", bt.free_port()
-  cfg = _config(tmp_path, db, rl={**RL, "steps": 4, "prompts_per_step": 2,
+  cfg = _config(tmp_path, db, rl={**RL, "mode": "online", "steps": 4, "prompts_per_step": 2,
                                   "traces": {"store": {"path": str(db)}, "wait_s": 60.0,
-                                             "online": {"enabled": True, "port": port}}})
+                                             "online": {"port": port}}})
   url = f"http://127.0.0.1:{port}"
   seen, failures = [], []
 

@@ -8,7 +8,7 @@ from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
 from posttrain_jax.metrics import read_metrics
 from posttrain_jax.run_config import RunConfig, run_config_from_dict
-from posttrain_jax.trainer import Trainer
+from posttrain_jax.run import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # the distillation modes, and the older training configs beside them
@@ -48,8 +48,8 @@ def test_the_modes_are_what_their_docstrings_say():
   assert mix.rl.learner.loss == "sampled_distill" and mix.loss_config().rl_coef > 0
   assert mix.rl.rollout.group_size > 1 and mix.rl.teacher.context == "sdpo"
   byoh, online = load("byoh.py"), load("byoh.py:online")
-  assert not byoh.rl.traces.online.enabled and byoh.rl.traces.max_staleness == -1
-  assert online.rl.traces.online.enabled and online.rl.traces.max_staleness == 4
+  assert byoh.rl.mode == "traces" and byoh.rl.traces.max_staleness == -1
+  assert online.rl.mode == "online" and online.rl.traces.max_staleness == 4
   fb = load("byoh_feedback.py")
   assert fb.rl.mode == "traces" and fb.rl.traces.require == "either"
   assert fb.rl.learner.loss == "sampled_distill"

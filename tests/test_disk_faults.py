@@ -277,7 +277,7 @@ def test_metrics_rows_survive_a_full_disk(small_fs):
 
 
 def test_a_run_on_a_read_only_workdir_is_one_clear_error(small_fs):
-  from posttrain_jax.trainer import Trainer
+  from posttrain_jax.run import Trainer
   from tests.test_trainer import tiny_run
   fs = small_fs("1m")
   with read_only(fs):

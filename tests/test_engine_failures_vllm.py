@@ -213,7 +213,7 @@ def test_a_run_rides_out_a_killed_server(tmp_path):
   the step's time) and every step's learner log-probs still equal the server's (a restarted
   server serving its start weights under the current version's tag would break that)."""
   from posttrain_jax.engines.vllm_server import LocalServerConfig, LocalVLLMServer
-  from posttrain_jax.trainer import Trainer
+  from posttrain_jax.run import Trainer
   from tests.test_trainer import tiny_run
   from tests.test_trainer_vllm import TINY
   with vt.vllm_environment(tmp_path / "vllm_env"):

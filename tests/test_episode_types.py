@@ -5,10 +5,11 @@ import dataclasses
 
 import pytest
 
-from posttrain_jax.actors.episode import EpisodeContext, register_episode
+from posttrain_jax.actors.episode import (EngineLimits, EpisodeContext, WorkItem, episode_spec,
+                                          register_episode)
 from posttrain_jax.actors.rollout import encode_prompt
 from posttrain_jax.metrics import read_metrics
-from posttrain_jax.trainer import Trainer
+from posttrain_jax.run import Trainer
 from posttrain_jax.types import Source, Status, Trajectory
 from tests.test_trainer import tiny_run
 from tests.test_trainer_async import async_run
@@ -59,7 +60,27 @@ class TwoTurn:
     return out
 
 
-@register_episode("test_two_turn", TwoTurnConfig)
+def _evaluate(episode, tasks, temperature, n, max_tokens, seed):
+  """Its own whole episodes on the held-out tasks (not the single-turn eval)."""
+  del max_tokens
+  rollout = dataclasses.replace(episode.ctx.rollout, group_size=n, temperature=temperature)
+  ev = TwoTurn(episode.cfg, dataclasses.replace(episode.ctx, rollout=rollout))
+  groups = ev.run([WorkItem(-1 - i, t) for i, t in enumerate(tasks)], seed)
+  rewards = [t.reward for g in groups for t in g]
+  return {"accuracy": sum(rewards) / len(rewards), "count": float(len(rewards)),
+          "turns": float(episode.cfg.turns)}
+
+
+def _limits(cfg, rollout, eval_max_tokens, longest_prompt):
+  """A later turn's prompt holds the earlier turns and tool results."""
+  del eval_max_tokens
+  turns = cfg.turns - 1
+  return EngineLimits(longest_prompt() + turns * (rollout.max_tokens + len(TOOL_RESULT)),
+                      rollout.max_tokens, rollout.max_tokens)
+
+
+@register_episode("test_two_turn", TwoTurnConfig, evaluate=_evaluate, limits=_limits,
+                  demonstration=episode_spec("task").demonstration)
 def _build(cfg, ctx):
   return TwoTurn(cfg, ctx)
 
@@ -77,3 +98,5 @@ def test_a_registered_episode_type_runs_in_both_sources(tmp_path, mode):
   rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "reward/mean" in r]
   assert len(rows) == 2 and all(r["skipped_update"] == 0.0 for r in rows)
   assert all(r["response_len/mean"] > 0 for r in rows)
+  evals = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "eval/accuracy_greedy" in r]
+  assert evals and all(r["eval/accuracy_greedy/turns"] == 2.0 for r in evals)   # its own eval

@@ -14,7 +14,7 @@ from posttrain_jax.engines.base import EngineError
 from posttrain_jax.engines.jax_sampler import JaxSamplerConfig, _build as build_jax
 from posttrain_jax.engines.registry import register_engine
 from posttrain_jax.metrics import read_metrics
-from posttrain_jax.trainer import Trainer
+from posttrain_jax.run import Trainer
 from tests.test_trainer import _weights, tiny_run
 
 EVAL_SEED = 12345
@@ -59,7 +59,7 @@ def _run(workdir, fail_calls, max_retries, error="engine"):
       "batch": {"rows": 8, "seq_len": 32, "max_seqs": 8, "pack": False}})
   trainer = Trainer(cfg, log=log.append)
   result = trainer.run()
-  result = result and {**result, "eval_calls": trainer._engine_obj.eval_calls}
+  result = result and {**result, "eval_calls": trainer.engine.eval_calls}
   evals = {r["step"]: r for r in read_metrics(workdir / "metrics.jsonl")
            if any(k.startswith("eval/accuracy") for k in r)}
   return result, evals, log

@@ -18,7 +18,7 @@ def test_a_run_goes_on_on_the_other_server(tmp_path, monkeypatch):
   from posttrain_jax.actors.rollout import SyncRollouts
   from posttrain_jax.engines.vllm_server import LocalServerConfig, LocalVLLMServer
   from posttrain_jax.metrics import read_metrics
-  from posttrain_jax.trainer import Trainer
+  from posttrain_jax.run import Trainer
   from posttrain_jax.types import Status
   from tests.test_trainer import tiny_run
   from tests.test_trainer_vllm import TINY

@@ -125,7 +125,7 @@ import sys
 from posttrain_jax import sharding
 sharding.initialize_distributed()
 from posttrain_jax.config_io import ConfigTypeError
-from posttrain_jax.trainer import Trainer
+from posttrain_jax.run import Trainer
 from tests.test_trainer import tiny_run
 rl = {"steps": 2, "prompts_per_step": 2, "engine": "fleet",
       "engine_config": {"urls": ["http://127.0.0.1:9"], "server": {"weights_dir": sys.argv[1]}},

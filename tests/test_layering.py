@@ -13,8 +13,8 @@ RANKS = {
     "audit": 2,
     "models": 3,
     "learner": 4, "engines": 4,
-    "actors": 5, "replay": 5, "byoh": 5, "teacher": 5,
-    "run_config": 6, "trainer": 6, "rl_step": 6, "aot": 6,
+    "actors": 5, "replay": 5, "byoh": 5, "teacher": 5, "teacher_weights": 5,
+    "run_config": 6, "run": 6, "aot": 6,
     "launch": 7, "configs": 7,
 }
 

@@ -26,7 +26,7 @@ from posttrain_jax import batching
 from posttrain_jax.advantages import AdvantageConfig
 from posttrain_jax.learner import Learner, LearnerConfig, OptimizerConfig
 from posttrain_jax.models import hf_io
-from posttrain_jax.rl_step import rl_step
+from posttrain_jax.run.rl_step import rl_step
 from tests.learner_testing import CFG, random_trajectories
 
 layout, micro, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]

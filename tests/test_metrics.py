@@ -6,7 +6,7 @@ import pytest
 
 from posttrain_jax.checkpoint import Checkpointer
 from posttrain_jax.metrics import MetricsFileError, MetricsWriter, read_metrics
-from posttrain_jax.trainer import Trainer
+from posttrain_jax.run import Trainer
 from tests.test_trainer import tiny_run
 from tests.test_trainer_resume import QUIET, running_run
 

@@ -8,7 +8,7 @@ import pytest
 from posttrain_jax import overlap
 from posttrain_jax.checkpoint import Checkpointer, CheckpointConfig
 from posttrain_jax.metrics import read_metrics
-from posttrain_jax.trainer import Trainer
+from posttrain_jax.run import Trainer
 from tests.test_trainer import tiny_run
 
 
@@ -91,8 +91,10 @@ def test_auto_probes_then_runs_the_mode_it_chose(tmp_path, monkeypatch, chosen):
   rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "rl/async" in r]
   assert [r["rl/async"] for r in rows] == [0.0] * 4 + [float(mode == "async")] * 3
   extra = Checkpointer(tmp_path / "checkpoints", CheckpointConfig()).read_extra(7)
-  assert extra["auto"]["mode"] == mode and extra["auto"]["version"] == 4
-  assert extra["rollouts"]["kind"] == ("async" if mode == "async" else "sync")
+  auto = extra["rollouts"]
+  assert auto["kind"] == "auto" and auto["decision"]["mode"] == mode
+  assert auto["decision"]["version"] == 4
+  assert auto["inner"]["kind"] == ("async" if mode == "async" else "sync")
   corrected = ["correction/is_weight_mean" in r for r in rows]
   assert corrected == [False] * 4 + [mode == "async"] * 3
   seen = [r["data/hash"] for r in rows]

@@ -11,9 +11,9 @@ from posttrain_jax.advantages import AdvantageConfig, compute_advantages
 from posttrain_jax.config_io import ConfigTypeError
 from posttrain_jax.learner import Learner, LearnerConfig, OptimizerConfig
 from posttrain_jax.metrics import read_metrics
-from posttrain_jax.rl_step import rl_step, signal_first
+from posttrain_jax.run.rl_step import rl_step, signal_first
 from posttrain_jax.run_config import run_config_from_dict
-from posttrain_jax.trainer import Trainer
+from posttrain_jax.run import Trainer
 from posttrain_jax.types import Status, Trajectory
 from tests.learner_testing import VOCAB, FixedSource, small_model
 from tests.test_trainer import tiny_run
@@ -104,7 +104,7 @@ def test_the_run_draws_the_extra_prompts_and_reports_what_it_left_out(tmp_path):
   for r in rows:   # 3 drawn (ceil(2 · 1.5)), 2 trained: one group of 3 left out, counted
     assert r["filter/oversample_dropped_frac"] == pytest.approx(1 / 3)
     assert 0.0 <= r["batch/signal_group_frac"] <= 1.0
-  assert trainer._source._next_draw == 6
+  assert trainer.source._next_draw == 6
 
 
 @pytest.mark.parametrize("rl, match", [

@@ -11,7 +11,7 @@ import pytest
 
 from posttrain_jax.checkpoint import Checkpointer
 from posttrain_jax.metrics import MetricsWriter, read_metrics
-from posttrain_jax.trainer import Trainer
+from posttrain_jax.run import Trainer
 from tests import chaos_testing as ct
 from tests.test_trainer import _weights, tiny_run
 from tests.test_trainer_async import G, P, async_run

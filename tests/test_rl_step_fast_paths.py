@@ -16,7 +16,7 @@ from posttrain_jax.kernels import lm_head
 from posttrain_jax.learner import Learner, LearnerConfig, OptimizerConfig
 from posttrain_jax.losses import FullDistillConfig, GRPOConfig, GSPOConfig, M2POConfig, get_loss
 from posttrain_jax.metrics import MetricsWriter, plot_run, read_metrics
-from posttrain_jax.rl_step import rl_step
+from posttrain_jax.run.rl_step import rl_step
 from posttrain_jax.sharding import MeshConfig, make_mesh
 from posttrain_jax.models import hf_io
 from posttrain_jax.types import TrainBatch, Trajectory

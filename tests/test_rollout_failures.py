@@ -12,7 +12,7 @@ from posttrain_jax.batching import BatchConfig
 from posttrain_jax.engines.base import Completion, PromptTooLongError
 from posttrain_jax.learner import Learner, LearnerConfig, OptimizerConfig
 from posttrain_jax.models import hf_io
-from posttrain_jax.rl_step import rl_step
+from posttrain_jax.run.rl_step import rl_step
 from posttrain_jax.types import Status
 from tests.test_actor_pool import FakeEngine, Tokenizer, grader, tasks
 

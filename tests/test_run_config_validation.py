@@ -8,7 +8,7 @@ from posttrain_jax.config_io import ConfigTypeError
 from posttrain_jax.engines.registry import engine_names, engine_spec
 from posttrain_jax.errors import UserError
 from posttrain_jax.run_config import run_config_from_dict
-from posttrain_jax.trainer import Trainer
+from posttrain_jax.run import Trainer
 from tests.test_trainer import tiny_run
 
 

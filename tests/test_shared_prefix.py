@@ -14,7 +14,7 @@ from posttrain_jax import batching
 from posttrain_jax.advantages import AdvantageConfig
 from posttrain_jax.learner import Learner, LearnerConfig, OptimizerConfig
 from posttrain_jax.losses import FullDistillConfig, GRPOConfig, GSPOConfig, M2POConfig, get_loss
-from posttrain_jax.rl_step import rl_step
+from posttrain_jax.run.rl_step import rl_step
 from posttrain_jax.types import Trajectory
 from tests.learner_testing import (CFG, VOCAB, FixedSource, assert_same_training, grads,
                                    small_model, with_scored_fields)

@@ -13,7 +13,8 @@ from posttrain_jax import batching
 from posttrain_jax.learner import Learner, LearnerConfig
 from posttrain_jax.losses import DistillConfig
 from posttrain_jax.models import hf_io
-from posttrain_jax.teacher import (AlignmentError, SelfTeacher, TeacherConfig, align, ema_update,
+from posttrain_jax.teacher import (AlignmentError, SelfTeacher, TeacherConfig, TeacherStart, align,
+                                   ema_update,
                                    teacher_messages, teacher_trajectory)
 from posttrain_jax.types import Trajectory
 
@@ -156,22 +157,27 @@ def test_ema_update_and_the_ema_teacher(models):
   np.testing.assert_allclose(out["w"], [1.5, 1.0])
   np.testing.assert_allclose(out["b"], 2.5)
   start = jax.tree.map(jnp.copy, learner.params)
-  teacher = SelfTeacher(TeacherConfig(weights="ema", ema_rate=0.5), encode,
-                        batching.BatchConfig(), ema_params=start)
-  assert teacher.params(learner) is start
-  assert teacher.step_inputs(learner) == {}          # sampled_distill is not a head loss
   zeros = jax.tree.map(jnp.zeros_like, learner.params)
-  moving = SelfTeacher(TeacherConfig(weights="ema", ema_rate=0.25), encode, batching.BatchConfig(),
-                       ema_params=zeros)
+
+  def teacher(weights, restored=None, start_params=start, **cfg):
+    ctx = TeacherStart(learner, lambda: start_params, lambda name: restored, None)
+    return SelfTeacher.start(TeacherConfig(weights=weights, **cfg), encode,
+                             batching.BatchConfig(), ctx)
+
+  ema = teacher("ema", ema_rate=0.5)
+  assert ema.params(learner) is start and ema.saved() == {"teacher": start}
+  assert ema.step_inputs(learner) == {}              # sampled_distill is not a head loss
+  assert teacher("ema", restored=zeros).params(learner) is zeros   # a resume continues the EMA
+  moving = teacher("ema", start_params=zeros, ema_rate=0.25)
   moving.after_update(learner)                       # 0 + 0.25 (θ − 0)
   for got, want in zip(jax.tree.leaves(moving.params(learner)), jax.tree.leaves(learner.params)):
     np.testing.assert_allclose(np.asarray(got), 0.25 * np.asarray(want), rtol=1e-6)
-  frozen = SelfTeacher(TeacherConfig(weights="frozen"), encode, batching.BatchConfig(),
-                       ema_params=zeros)
+  frozen = teacher("frozen", start_params=zeros)
   frozen.after_update(learner)
   assert all(not np.asarray(x).any() for x in jax.tree.leaves(frozen.params(learner)))
-  with pytest.raises(ValueError, match="ema_params"):
-    SelfTeacher(TeacherConfig(weights="ema"), encode, batching.BatchConfig())
+  assert frozen.saved() == {}                        # re-read from the start weights on resume
+  student = teacher("student")
+  assert student.params(learner) is learner.params and student.saved() == {}
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -19,6 +19,7 @@ from posttrain_jax.losses import DistillConfig
 from posttrain_jax.losses.full_distill import FullDistillConfig
 from posttrain_jax.models import hf_io
 from posttrain_jax.sharding import make_mesh
+from posttrain_jax.teacher_weights import Checkpoint
 from posttrain_jax.teacher import (SelfTeacher, TeacherCheckpointError, TeacherConfig,
                                    TeacherModel, check_teacher_checkpoint)
 from tests.hf_testing import VOCAB, save_random_hf_model
@@ -77,7 +78,7 @@ def test_the_external_teacher_scores_the_student_ids_like_hf_transformers(setup)
                                                                ("xyz", None), ("q", None)])]
   student_cfg = batching.BatchConfig(rows=8, seq_len=64, max_seqs=8, pack=False)
   batch = batching.build_batch(trajs, [0.0] * 4, student_cfg)
-  teacher = SelfTeacher(cfg, encode, student_cfg, model=model)
+  teacher = SelfTeacher(cfg, encode, student_cfg, Checkpoint(model))
   out, metrics = teacher.fill(learner, trajs, batch)
   assert metrics["distill/no_context_frac"] == 0.0          # "none": every sample is scored
   mask = np.asarray(batch.loss_mask) > 0
@@ -105,7 +106,7 @@ def test_full_distillation_from_a_teacher_of_another_hidden_size(setup, tmp_path
   trajs = [_traj(i, p, None, rng) for i, p in enumerate(["abc", "hello", "q", "xy"])]
   student_cfg = batching.BatchConfig(rows=8, seq_len=64, max_seqs=8, pack=False)
   batch = batching.build_batch(trajs, [0.0] * 4, student_cfg)
-  teacher = SelfTeacher(cfg, encode, student_cfg, model=model)
+  teacher = SelfTeacher(cfg, encode, student_cfg, Checkpoint(model))
   out, _ = teacher.fill(learner, trajs, batch, needs={"teacher_mask", "teacher_hidden"})
   assert np.shape(out.teacher_hidden) == (8, 64, 64)
   w_t = teacher.step_inputs(learner)["teacher_w"]
@@ -207,7 +208,7 @@ def test_a_run_distills_towards_the_external_teacher(tmp_path, loss):
   with 8 a step, 20 steps left the KL where it was, 0.67 -> 0.73, measured.)"""
   from posttrain_jax.actors.rollout import encode_prompt
   from posttrain_jax.run_config import run_config_from_dict
-  from posttrain_jax.trainer import Trainer
+  from posttrain_jax.run import Trainer
   from tests.test_trainer_distill import distill_run
   base = distill_run(tmp_path / "run")
   student_tiny = dataclasses.asdict(base.model.tiny)
@@ -227,8 +228,8 @@ def test_a_run_distills_towards_the_external_teacher(tmp_path, loss):
   assert len(rows) == 10
   assert all(r["distill/no_context_frac"] == 0.0 and r["distill/teacher_token_frac"] == 1.0
              for r in rows)
-  tasks = [trainer.bank.dataset()[i] for i in range(24)] + list(trainer.held_out)
+  tasks = [trainer.parts.bank.dataset()[i] for i in range(24)] + list(trainer.parts.held_out)
   prompts = [encode_prompt(trainer.tokenizer, t) for t in tasks]
-  before = _kl_to_teacher(trainer.model_dir, teacher_dir, prompts)
+  before = _kl_to_teacher(trainer.parts.model_dir, teacher_dir, prompts)
   after = _kl_to_teacher(tmp_path / "run" / "final_model", teacher_dir, prompts)
   assert after < 0.8 * before, (before, after)    # measured: 0.67 -> 0.42 (sampled_distill)

@@ -11,7 +11,7 @@ from posttrain_jax.config_io import ConfigTypeError
 from posttrain_jax.metrics import read_metrics
 from posttrain_jax.models.safetensors_io import Checkpoint
 from posttrain_jax.run_config import run_config_from_dict
-from posttrain_jax.trainer import Trainer
+from posttrain_jax.run import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

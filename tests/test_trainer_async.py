@@ -12,7 +12,7 @@ from posttrain_jax.engines.base import EngineError
 from posttrain_jax.engines.jax_sampler import JaxSampler
 from posttrain_jax.metrics import read_metrics
 from posttrain_jax.replay import ReplayQueue
-from posttrain_jax.trainer import Trainer
+from posttrain_jax.run import Trainer
 from tests.test_trainer import tiny_run
 
 G, P = 4, 2

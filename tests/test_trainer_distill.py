@@ -8,7 +8,7 @@ from flax import nnx
 from posttrain_jax.metrics import read_metrics
 from posttrain_jax.models import hf_io
 from posttrain_jax.run_config import run_config_from_dict
-from posttrain_jax.trainer import Trainer
+from posttrain_jax.run import Trainer
 
 
 def distill_run(workdir, grader="hidden_rule", **rl):
@@ -73,7 +73,7 @@ def test_an_ema_teacher_resumes_bit_for_bit(tmp_path, loss):
   a, b = _weights(tmp_path / "a" / "final_model"), _weights(tmp_path / "b" / "final_model")
   for k in a:
     np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-  like = nnx.to_pure_dict(nnx.state(hf_io.load_hf_model(straight.model_dir), nnx.Param))
+  like = nnx.to_pure_dict(nnx.state(hf_io.load_hf_model(straight.parts.model_dir), nnx.Param))
   ema = {d: Checkpointer(tmp_path / d / "checkpoints").restore_arrays("teacher", like, 4)
          for d in ("a", "b")}
   start = jax.tree.leaves(like)
@@ -101,7 +101,7 @@ def test_an_ema_teacher_does_not_resume_a_checkpoint_without_one(tmp_path):
                                                               teacher=ema)),
                                        "stop_after_step": 1}), log=lambda *_: None).run() is None
   shutil.rmtree(tmp_path / "e" / "checkpoints" / "1" / "teacher")
-  with pytest.raises(ConfigTypeError, match="holds no EMA teacher"):
+  with pytest.raises(ConfigTypeError, match="holds no saved 'ema' teacher"):
     Trainer(distill_run(tmp_path / "e", steps=3, teacher=ema), log=lambda *_: None).run()
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from posttrain_jax.metrics import read_metrics
-from posttrain_jax.trainer import Trainer
+from posttrain_jax.run import Trainer
 from tests import vllm_testing as vt
 from tests.test_trainer import tiny_run
 

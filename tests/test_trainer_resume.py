@@ -8,7 +8,7 @@ from posttrain_jax.checkpoint import Checkpointer
 from posttrain_jax.config_io import ConfigTypeError
 from posttrain_jax.metrics import read_metrics
 from posttrain_jax.models import hf_io
-from posttrain_jax.trainer import Trainer
+from posttrain_jax.run import Trainer
 from tests.test_trainer import _weights, tiny_run
 
 QUIET = dict(log=lambda *_: None)
@@ -39,7 +39,7 @@ def test_running_baseline_gives_nonzero_advantages_and_survives_resume(tmp_path)
   assert len(rows) == 6 and rows[-1]["baseline/tasks"] > 0
   # advantages were not all zero: the policy moved (with A = 0 every gradient is 0 and AdamW
   # leaves the weights exactly where they started)
-  start = _weights(straight.model_dir)
+  start = _weights(straight.parts.model_dir)
   end = _weights(tmp_path / "a" / "final_model")
   assert any(not np.array_equal(start[k], end[k]) for k in start)
   assert any(r["grad_norm"] > 0 for r in rows)

@@ -7,7 +7,8 @@ import pytest
 
 from posttrain_jax.checkpoint import Checkpointer
 from posttrain_jax.metrics import read_metrics, time_to_target
-from posttrain_jax.trainer import Trainer, result_line
+from posttrain_jax.run import Trainer, result_line
+from posttrain_jax.run.evaluation import Evaluator
 from tests.test_trainer import _weights, tiny_run
 
 _RL = {"steps": 8, "prompts_per_step": 2, "reference_kl": False,
@@ -22,11 +23,11 @@ def _run(workdir, rl=None, eval=None, **over):
   return tiny_run(workdir, rl={**_RL, **(rl or {})}, eval={**_GREEDY, **(eval or {})}, **over)
 
 
-_EVALUATE = Trainer.evaluate
+_EVALUATE = Evaluator.evaluate
 
 
 def _scripted(monkeypatch, values):
-  """Trainer.evaluate runs for real, then reports the next scripted greedy accuracy."""
+  """Evaluator.evaluate runs for real, then reports the next scripted greedy accuracy."""
   real, calls = _EVALUATE, []
 
   def fake(self, engine):
@@ -35,7 +36,7 @@ def _scripted(monkeypatch, values):
     out["eval/accuracy_greedy"] = values[len(calls)]
     calls.append(out["eval/accuracy_greedy"])
     return out
-  monkeypatch.setattr(Trainer, "evaluate", fake)
+  monkeypatch.setattr(Evaluator, "evaluate", fake)
   return calls
 
 

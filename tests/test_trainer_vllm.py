@@ -3,7 +3,7 @@ its log-probs of them equal vLLM's reported ones (token-exact, fp32), across wei
 import numpy as np
 
 from posttrain_jax.metrics import read_metrics
-from posttrain_jax.trainer import Trainer
+from posttrain_jax.run import Trainer
 from tests import vllm_testing as vt
 from tests.test_trainer import tiny_run
 
@@ -49,6 +49,6 @@ def test_vllm_engine_limit_defaults_to_the_models(tmp_path):
   assert result is not None and np.isfinite(result["heldout_after"])
   rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
   assert [r["policy_version"] for r in rows] == [1, 2]
-  limit = trainer.model_cfg.max_position_embeddings
+  limit = trainer.parts.model_cfg.max_position_embeddings
   assert limit == vt.TINY.max_position_embeddings == 1024
-  assert trainer._engine_obj.max_model_len == limit
+  assert trainer.engine.max_model_len == limit

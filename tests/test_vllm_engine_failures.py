@@ -149,7 +149,7 @@ def test_a_run_rides_out_a_killed_worker(tmp_path, monkeypatch):
   rollouts go to vLLM. Those rollouts are infra_error and retried with backoff; the retry runs
   on a restarted core given the current weights (every step's learner log-probs still equal
   vLLM's), training goes on to the end, and the metrics show the gap."""
-  from posttrain_jax.trainer import Trainer
+  from posttrain_jax.run import Trainer
   from tests.test_trainer import tiny_run
   from tests.test_trainer_vllm import TINY
   killed = []
@@ -176,7 +176,7 @@ def test_a_run_rides_out_a_killed_worker(tmp_path, monkeypatch):
   with vt.vllm_environment(tmp_path / "vllm_env"):
     trainer = Trainer(cfg, log=lambda *_: None)
     result = trainer.run()
-    engine = trainer._engine_obj
+    engine = trainer.engine
     restarts, restores = engine.restarts, engine.restores
   assert killed, "the worker was never killed"
   assert result is not None and restarts == 1 and restores == 1

@@ -22,13 +22,24 @@ error: the episode raises `InvalidTaskError(index)` and the source drops that ta
 counted reason ("invalid") and runs the rest.
 
 A new kind of episode (a multi-turn environment with tools) is one module under
-`posttrain_jax/actors/` implementing the same `run` and registering a builder:
+`posttrain_jax/actors/` implementing the same `run` and registering a builder with what the run
+asks of an episode type besides rollouts:
 
-    @register_episode("my_env", MyEnvConfig)
+    @register_episode("my_env", MyEnvConfig, evaluate=..., demonstration=..., limits=...,
+                      lockstep=...)
     def build(cfg: MyEnvConfig, ctx: EpisodeContext) -> Episode: ...
 
+    evaluate(episode, tasks, temperature, n, max_tokens, seed) -> {"accuracy", "count", ...}
+        the held-out score of `n` samples per task (extra keys are logged beside it)
+    demonstration(cfg, demo: DemoContext, task, tid) -> Trajectory
+        the supervised sample of a task for the SFT warm-start
+    limits(cfg, rollout, eval_max_tokens, longest_prompt) -> EngineLimits
+        the prompt and completion lengths an engine must serve for it
+    lockstep: every process makes the same engine calls in step (single-turn; a multi-turn
+        episode's calls depend on its own tool results), so a whole-job engine can serve it
+
 selected with `rl.episode="my_env"` (its settings in `rl.episode_config`); nothing in either
-source, the pool or the trainer changes.
+source, the pool or the run loop changes.
 """
 from __future__ import annotations
 
@@ -97,19 +108,43 @@ class EpisodeContext:
 
 
 @dataclasses.dataclass(frozen=True)
+class DemoContext:
+  """What the run gives an episode type's `demonstration`."""
+  tokenizer: Any
+  stop_token_ids: tuple[int, ...]
+  answer_style: str = "plain"     # sft.answer_style: how a task's solution is written
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+  """Lengths an engine must serve for an episode type."""
+  max_prompt: int                 # longest prompt (tokens)
+  max_tokens: int                 # most new tokens one call asks for (rollouts and eval)
+  sample_tokens: int              # new tokens one rollout call asks for
+
+
+@dataclasses.dataclass(frozen=True)
 class EpisodeSpec:
   name: str
   config_cls: type
   build: Callable[[Any, EpisodeContext], Episode]
+  evaluate: Callable[..., dict]
+  demonstration: Callable[..., Trajectory]
+  limits: Callable[..., EngineLimits]
+  lockstep: bool = False
 
 
 EPISODES: Registry[EpisodeSpec] = Registry("episode type", discover="posttrain_jax.actors")
 
 
-def register_episode(name: str, config_cls: type):
-  """Decorator registering `build(cfg, ctx) -> Episode` under `name` (for `rl.episode`)."""
+def register_episode(name: str, config_cls: type, *, evaluate: Callable[..., dict],
+                     demonstration: Callable[..., Trajectory],
+                     limits: Callable[..., EngineLimits], lockstep: bool = False):
+  """Decorator registering `build(cfg, ctx) -> Episode` under `name` (for `rl.episode`), with
+  the episode type's held-out eval, SFT demonstrations and engine limits (module docstring)."""
   def deco(build):
-    EPISODES.register(name)(EpisodeSpec(name, config_cls, build))
+    EPISODES.register(name)(EpisodeSpec(name, config_cls, build, evaluate, demonstration,
+                                        limits, lockstep))
     return build
   return deco
 

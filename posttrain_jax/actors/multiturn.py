@@ -44,7 +44,8 @@ import dataclasses
 import time
 from typing import Any, Optional, Sequence
 
-from posttrain_jax.actors.episode import EpisodeContext, InvalidTaskError, WorkItem, register_episode
+from posttrain_jax.actors.episode import (DemoContext, EngineLimits, EpisodeContext, InvalidTaskError,
+                                          WorkItem, register_episode)
 from posttrain_jax.actors.rollout import FINISH_STATUS
 from posttrain_jax.actors.stitch import STITCH_MODES, Sample, Stitcher
 from posttrain_jax.config_io import from_dict
@@ -334,7 +335,29 @@ def _tools(env: Environment) -> Optional[list[dict[str, Any]]]:
   return [t.to_openai() for t in env.tools] or None
 
 
-@register_episode("env", EnvEpisodeConfig)
+def _evaluate(episode: "EnvEpisode", tasks, temperature: float, n: int, max_tokens: int,
+              seed: int) -> dict[str, float]:
+  """Whole episodes on the held-out tasks (their turns take `turn_max_tokens` each)."""
+  del max_tokens
+  d = evaluate_episodes_detail(episode, tasks, temperature, n, seed)
+  return {"accuracy": d["accuracy"], "count": float(len(tasks)),
+          "timeout_frac": d["timeout_frac"], "infra_error_frac": d["infra_error_frac"]}
+
+
+def _demonstration(cfg: "EnvEpisodeConfig", demo: DemoContext, task, tid: str) -> Trajectory:
+  return demonstration_trajectory(demo.tokenizer, task, cfg, demo.stop_token_ids, tid)
+
+
+def _limits(cfg: "EnvEpisodeConfig", rollout, eval_max_tokens: int,
+            longest_prompt) -> EngineLimits:
+  """A turn's prompt is the whole context so far: up to max_context_tokens less a turn."""
+  del rollout, eval_max_tokens, longest_prompt
+  return EngineLimits(cfg.max_context_tokens - cfg.turn_max_tokens, cfg.turn_max_tokens,
+                      cfg.turn_max_tokens)
+
+
+@register_episode("env", EnvEpisodeConfig, evaluate=_evaluate, demonstration=_demonstration,
+                  limits=_limits)
 def _build(cfg: EnvEpisodeConfig, ctx: EpisodeContext) -> EnvEpisode:
   return EnvEpisode(cfg, ctx.engine, ctx.tokenizer, ctx.rollout, ctx.stop_token_ids)
 

@@ -55,6 +55,7 @@ from posttrain_jax.actors.episode import (
     Episode, InvalidTaskError, RetryConfig, WorkItem, all_infra, drop_invalid, episode_metrics,
     infra_group, requeue_or_give_up)
 from posttrain_jax.actors.rollout import DataExhaustedError, draw_task, exhausted
+from posttrain_jax.actors.source import SourceBase, check_kind
 from posttrain_jax.engines.base import Engine, engine_metrics
 from posttrain_jax.envs import Task
 from posttrain_jax.replay import ReplayConfig, ReplayQueue
@@ -293,9 +294,11 @@ def _nbytes(tree) -> int:
   return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(tree))
 
 
-class AsyncRollouts:
-  """Rollout source with SyncRollouts' interface, backed by an ActorPool + ReplayQueue running
-  while the learner trains (see the module docstring for what is guaranteed)."""
+class AsyncRollouts(SourceBase):
+  """The rollout-source protocol (actors/source.py) backed by an ActorPool + ReplayQueue running
+  while the learner trains (see the module docstring for what is guaranteed); its samples may
+  be up to `replay.max_staleness` versions old, so `off_policy`."""
+  off_policy = True
 
   def __init__(self, episode: Episode, tasks, group_size: int, prompts_per_step: int,
                seed: int = 0, replay: ReplayConfig = ReplayConfig(),
@@ -407,15 +410,17 @@ class AsyncRollouts:
     """Loads `state()` output; must come before the first update_weights / collect."""
     if self._thread is not None:
       raise RuntimeError("AsyncRollouts.restore must be called before the pool starts")
-    if not state:
+    if not check_kind(state, "async"):
       return
-    if state.get("kind") != "async":
-      raise ValueError(f"checkpointed rollout state is {state.get('kind')!r}, not 'async': it was "
-                       "written by another RLPhaseConfig.mode; resume with that mode")
     self._next_draw = int(state["next_draw"])
     self.queue.restore(state["queue"])
     self.pool.counters.update(state.get("pool", {}))
     self._window_pool = dict(self.pool.counters)
+
+  def saved_note(self) -> str:
+    q = self.queue.state()
+    return (f"{len(q['ready'])} finished groups saved, {len(q['backlog'])} unfinished tasks "
+            "saved to re-run")
 
   def close(self) -> None:
     """Graceful: stop claiming, let episodes finish (PoolConfig.shutdown_grace_s), join."""

@@ -24,11 +24,13 @@ import time
 from typing import Callable, Optional, Sequence
 
 from posttrain_jax.actors.episode import (
-    EpisodeContext, InvalidTaskError, RetryConfig, WorkItem, all_infra, drop_invalid,
+    DemoContext, EngineLimits, EpisodeContext, InvalidTaskError, RetryConfig, WorkItem, all_infra, drop_invalid,
     episode_metrics, infra_group, register_episode, requeue_or_give_up)
+from posttrain_jax.actors.source import SourceBase, check_kind
+from posttrain_jax.batching import sft_trajectory
 from posttrain_jax.engines.base import (
     Completion, Engine, PromptTooLongError, SamplingParams, engine_metrics)
-from posttrain_jax.envs import GradeResult, Task
+from posttrain_jax.envs import GradeResult, Task, solution_text
 from posttrain_jax.errors import UserError
 from posttrain_jax.types import Source, Status, Trajectory
 
@@ -159,7 +161,37 @@ class TaskEpisodeConfig:
   """Single-turn episodes take their settings from `rl.rollout` (RolloutConfig)."""
 
 
-@register_episode("task", TaskEpisodeConfig)
+def _evaluate(episode: TaskEpisode, tasks, temperature: float, n: int, max_tokens: int,
+              seed: int) -> dict[str, float]:
+  """The mean reward of `n` completions per held-out task at `temperature`."""
+  prompts = [encode_prompt(episode.tokenizer, t) for t in tasks]
+  sp = SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                      stop_token_ids=episode.stop_token_ids)
+  groups = episode.engine.generate(prompts, sp, n=n, seed=seed)
+  rewards = [episode.grader(episode.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                            t).reward for comps, t in zip(groups, tasks) for c in comps]
+  return {"accuracy": float(sum(rewards) / len(rewards)) if rewards else float("nan"),
+          "count": float(len(rewards))}
+
+
+def _demonstration(cfg: TaskEpisodeConfig, demo: DemoContext, task: Task, tid: str) -> Trajectory:
+  """The prompt, then the task's solution (in `answer_style`) and the end-of-turn token."""
+  del cfg
+  tok = demo.tokenizer
+  eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+  answer = tok.encode(solution_text(task, demo.answer_style), add_special_tokens=False)
+  return sft_trajectory(encode_prompt(tok, task), answer + eos, tid, task.id)
+
+
+def _limits(cfg: TaskEpisodeConfig, rollout: RolloutConfig, eval_max_tokens: int,
+            longest_prompt: Callable[[], int]) -> EngineLimits:
+  del cfg
+  return EngineLimits(longest_prompt(), max(rollout.max_tokens, eval_max_tokens),
+                      rollout.max_tokens)
+
+
+@register_episode("task", TaskEpisodeConfig, evaluate=_evaluate, demonstration=_demonstration,
+                  limits=_limits, lockstep=True)
 def _build_task_episode(cfg: TaskEpisodeConfig, ctx: EpisodeContext) -> TaskEpisode:
   del cfg
   return TaskEpisode(ctx.engine, ctx.tokenizer, ctx.grader, ctx.rollout, ctx.stop_token_ids)
@@ -180,11 +212,11 @@ def draw_task(tasks, drawn: int):
     raise exhausted(drawn) from None
 
 
-class SyncRollouts:
+class SyncRollouts(SourceBase):
   """Generate-then-train (the on-policy baseline): each step runs one episode batch of
-  `prompts_per_step` tasks with the weights of the previous update. The trainer talks to any
-  rollout source through these methods (`update_weights`, `collect`, `metrics`,
-  `state`/`restore`, `close`), so the asynchronous source (actors/pool.py) stands in for it.
+  `prompts_per_step` tasks with the weights of the previous update (the rollout-source protocol,
+  actors/source.py). With `train_groups` (rl.oversample) it draws more tasks than a step trains
+  and the step trains `train_groups` of their groups, signal first (rl_step.py).
 
   Failures (actors/episode.py): a failed batch is retried with backoff; tasks of a batch that
   failed every attempt are requeued (run first next step) up to `retry.max_requeues` times and
@@ -193,8 +225,10 @@ class SyncRollouts:
   """
 
   def __init__(self, episode, tasks, group_size: int, prompts_per_step: int, seed: int = 0,
-               retry: RetryConfig = RetryConfig(), sleep: Callable[[float], None] = time.sleep):
+               retry: RetryConfig = RetryConfig(), sleep: Callable[[float], None] = time.sleep,
+               train_groups: Optional[int] = None):
     self.episode, self.tasks, self.group_size = episode, tasks, group_size
+    self.train_groups = train_groups
     self.prompts_per_step, self.seed, self.retry, self._sleep = prompts_per_step, seed, retry, sleep
     self._next_draw = 0
     self._requeued: list[WorkItem] = []
@@ -273,17 +307,15 @@ class SyncRollouts:
     return {"kind": "sync", "next_draw": self._next_draw, "counters": dict(self._counters),
             "requeued": [it.to_dict() for it in self._requeued]}
 
+  def handover(self) -> tuple[int, list[WorkItem]]:
+    """(the next draw index, the failed items waiting for a re-run): where another source
+    continues this one's draws (rl.mode="auto" turning async)."""
+    return self._next_draw, list(self._requeued)
+
   def restore(self, state: dict) -> None:
-    if not state:
+    if not check_kind(state, "sync"):
       return
-    if state.get("kind") != "sync":
-      raise ValueError(f"checkpointed rollout state is {state.get('kind')!r}, not 'sync': it was "
-                       "written by another RLPhaseConfig.mode (its queued work would be lost); "
-                       "resume with that mode")
     self._next_draw = int(state["next_draw"])
     self._counters.update(state["counters"])
     self._window = dict(self._counters)
     self._requeued = [WorkItem.from_dict(d) for d in state["requeued"]]
-
-  def close(self) -> None:
-    pass

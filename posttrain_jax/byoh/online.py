@@ -1,6 +1,6 @@
 """Online mode: the proxy serves the run's own policy from a thread of the training process.
 
-With `rl.mode="traces"` and `rl.traces.online.enabled`, one command serves, records, trains on
+With `rl.mode="online"` (run/sources/online.py), one command serves, records, trains on
 the sessions as their grades arrive, and installs each step's weights into the serving engine
 (TraceRollouts.update_weights). A swap never fails or stalls a call: the embedded sampler reads
 its (params, version) pair once per call under a lock, so a call in flight finishes on the
@@ -21,8 +21,7 @@ from posttrain_jax.errors import UserError
 
 @dataclasses.dataclass(frozen=True)
 class OnlineConfig:
-  """Serve while training (see the module docstring)."""
-  enabled: bool = False
+  """Serve while training, `rl.mode="online"` (see the module docstring)."""
   host: str = "127.0.0.1"
   port: int = 8000
   proxy: ProxyConfig = ProxyConfig()

@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from posttrain_jax.actors.source import SourceBase, check_kind
 from posttrain_jax.byoh.online import OnlineConfig
 from posttrain_jax.byoh.rebuild import rebuild_session, session_grade
 from posttrain_jax.byoh.store import StoreConfig, TraceStore
@@ -75,10 +76,13 @@ class TraceSourceConfig:
         raise ValueError(f"TraceSourceConfig.{name} must be ≥ 0, got {getattr(self, name)}")
 
 
-class TraceRollouts:
-  """The rollout-source protocol (update_weights / collect / metrics / state) over a store.
+class TraceRollouts(SourceBase):
+  """The rollout-source protocol (actors/source.py) over a store: recorded samples of whatever
+  policy served them (`off_policy`), each session its own task (no `repeats_tasks`).
 
   `engine`: where new weights go (online: the proxy's engine, hot-swapped); may be None."""
+  off_policy = True
+  repeats_tasks = False
 
   def __init__(self, cfg: TraceSourceConfig, sessions_per_step: int, engine=None,
                store: Optional[TraceStore] = None, clock: Callable[[], float] = time.time,
@@ -184,11 +188,8 @@ class TraceRollouts:
             "totals": dict(self._totals)}
 
   def restore(self, state: dict) -> None:
-    if not state:
+    if not check_kind(state, "traces"):
       return
-    if state.get("kind") != "traces":
-      raise ValueError(f"checkpointed rollout state is {state.get('kind')!r}, not 'traces': it "
-                       "was written by another RLPhaseConfig.mode; resume with that mode")
     self._taken = {tuple(k) for k in state["taken"]}
     self._totals = collections.Counter(state["totals"])
 

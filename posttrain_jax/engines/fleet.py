@@ -408,7 +408,7 @@ def _check(cfg: FleetConfig, model_config, max_tokens: int, *,
                           "a directory this process and every server read, for weight sync")
 
 
-@register_engine("fleet", FleetConfig, check=_check, copies_weights=True)
+@register_engine("fleet", FleetConfig, check=_check, copies_weights=True, processes="one")
 def _build(cfg: FleetConfig, ctx: EngineContext):
   """A client of servers the user already runs (each started from the RL start weights with
   our worker extension; see openai_engine.py), or of servers Ray places (fleet_ray.py)."""

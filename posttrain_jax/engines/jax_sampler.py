@@ -296,7 +296,7 @@ def _fetch(arrays):
           else np.asarray(x) for x in arrays]
 
 
-@register_engine("jax", JaxSamplerConfig, shareable=False)
+@register_engine("jax", JaxSamplerConfig, shareable=False, processes="lockstep")
 def _build(cfg: JaxSamplerConfig, ctx: EngineContext) -> JaxSampler:
   """The embedded sampler on the learner's own arrays; prompt room sized from the run's prompts."""
   cfg = dataclasses.replace(cfg, max_prompt_len=max(cfg.max_prompt_len, 2 * ctx.max_prompt_len),

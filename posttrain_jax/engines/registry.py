@@ -2,8 +2,15 @@
 
 An engine module registers itself at import with
 
-    @register_engine("name", ConfigClass, copies_weights=..., shareable=...)
+    @register_engine("name", ConfigClass, copies_weights=..., shareable=...,
+                     processes=..., device_share=...)
     def build(cfg: ConfigClass, ctx: EngineContext) -> Engine: ...
+
+`processes` says what it serves in a job of several processes: "each" (an engine per process,
+any rollout source and episode), "lockstep" (one program of the whole job: only sources and
+episodes whose every process makes the same calls in step) or "one" (a one-process learner
+only). `device_share(cfg)` is the fraction of each learner accelerator the engine holds (an
+in-process vLLM's `gpu_memory_utilization`), for the AOT memory check.
 
 and optionally a `check(cfg, model_config, max_tokens, *, field, serving)` run before training
 or serving starts (so a missing package or a setting the model cannot serve fails in the first
@@ -44,6 +51,18 @@ class EngineSpec:
   check: Optional[Callable[..., None]] = None  # (cfg, model_config, max_tokens, *, field, serving)
   copies_weights: bool = False    # update_weights copies what it is given (no copy needed first)
   shareable: bool = True          # one instance serves rollouts and eval; False = one each
+  processes: str = "each"         # several processes: "each" | "lockstep" | "one" (docstring)
+  device_share: Optional[Callable[[Any], float]] = None  # cfg -> share of a learner device
+
+  def __post_init__(self):
+    if self.processes not in PROCESSES:
+      raise ValueError(f"engine {self.name!r}: processes={self.processes!r}; valid: {PROCESSES}")
+
+  def share_of_device(self, cfg) -> float:
+    return float(self.device_share(cfg)) if self.device_share is not None else 0.0
+
+
+PROCESSES = ("each", "lockstep", "one")
 
 
 ENGINES: Registry[EngineSpec] = Registry("rollout engine", discover="posttrain_jax.engines",
@@ -51,10 +70,12 @@ ENGINES: Registry[EngineSpec] = Registry("rollout engine", discover="posttrain_j
 
 
 def register_engine(name: str, config_cls: type, *, check=None, copies_weights: bool = False,
-                    shareable: bool = True):
+                    shareable: bool = True, processes: str = "each",
+                    device_share: Optional[Callable[[Any], float]] = None):
   """Decorator registering `build(cfg, ctx) -> Engine` under `name`."""
   def deco(build):
-    ENGINES.register(name)(EngineSpec(name, config_cls, build, check, copies_weights, shareable))
+    ENGINES.register(name)(EngineSpec(name, config_cls, build, check, copies_weights, shareable,
+                                      processes, device_share))
     return build
   return deco
 

@@ -588,7 +588,8 @@ def _check(cfg: VLLMEngineConfig, model_config, max_tokens: int, *,
                           f"max_model_len={cfg.max_model_len or limit}")
 
 
-@register_engine("vllm", VLLMEngineConfig, check=_check, copies_weights=True)
+@register_engine("vllm", VLLMEngineConfig, check=_check, copies_weights=True,
+                 device_share=lambda cfg: cfg.gpu_memory_utilization)
 def _build(cfg: VLLMEngineConfig, ctx: EngineContext):
   """vLLM in this process, serving the RL start weights at version 0."""
   return DecoderWeights(VLLMEngine(dataclasses.replace(cfg, model=str(ctx.model_dir))),

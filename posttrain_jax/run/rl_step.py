@@ -14,15 +14,10 @@
                                                   to a bucket (batch_cfg.trim; exact,
                                                   batching.py), one shape on every process,
                                                   or a compiled shape that holds it (`shapes`)
-    fill exactly the log-prob fields the loss declares it needs (LossSpec.needs), plus
-        old_logp when update_epochs > 1 (the PPO ratio's denominator across epochs) and
-        ref_logp when a reference is given only to report a KL: then at versions
-        0, kl_every, 2·kl_every, ... (a forward pass of its own, ~20% of a tiny step if run
-        every step: a metric must not cost that; the `kl` metric is absent from the other
-        steps' rows), always when the loss needs it; teacher_logp / teacher_mask
-        from the teacher (teacher.py: the model scoring the sampled tokens under its context)
+    batch, extra = inputs.fill(...)              exactly the fields the loss declares it needs
+                                                  (run/inputs.py: old / reference / teacher)
     update_epochs × learner.step(batch)           skipped when no trajectory survived
-    teacher.after_update(learner)                 an EMA teacher follows the new weights
+    inputs.after_update(learner)                  an EMA teacher follows the new weights
 
 Signal first (DAPO's dynamic sampling, one generation round): with `train_groups` = k the
 source drew more groups than a step trains (rl.oversample). The k trained are the groups with
@@ -49,13 +44,11 @@ from typing import Any, Optional
 import numpy as np
 
 from posttrain_jax import batching
-from posttrain_jax import teacher as teacher_lib
 from posttrain_jax.advantages import AdvantageConfig, BaselineState, compute_advantages
 from posttrain_jax.multihost import max_over_processes
+from posttrain_jax.run.inputs import KL_EVERY, BatchInputs
 from posttrain_jax.step_metrics import episode_signals
 from posttrain_jax.types import Status
-
-KL_EVERY = 10   # report-only KL: versions between two reference forwards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,34 +60,38 @@ class StepResult:
   trajectories: list                  # every trajectory collected (infra errors included)
   updated: bool                       # False when nothing was trainable (weights untouched)
   batch: Any = None                   # the TrainBatch trained on (None when not updated)
+  version: int = 0                    # the policy version the step's rollouts were asked of
 
 
 def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageConfig,
-            batch_cfg: batching.BatchConfig, update_epochs: int = 1,
-            baseline: Optional[BaselineState] = None, reference: Any = None,
-            teacher: Any = None, kl_every: int = KL_EVERY,
-            shapes: Optional[batching.ShapeReuse] = None,
-            train_groups: Optional[int] = None) -> StepResult:
-  """Runs one step (see the module docstring); `reference` = frozen params for ref_logp;
-  `teacher` = a teacher.SelfTeacher for teacher_logp / teacher_mask; `kl_every`: a reference
-  the loss does not need is scored (the `kl` metric) when version % kl_every == 0;
+            batch_cfg: batching.BatchConfig, baseline: Optional[BaselineState] = None,
+            inputs: Optional[BatchInputs] = None, shapes: Optional[batching.ShapeReuse] = None,
+            train_groups: Optional[int] = None, per_task_baseline: bool = True,
+            update_epochs: int = 1, reference: Any = None, teacher: Any = None,
+            kl_every: int = KL_EVERY) -> StepResult:
+  """Runs one step (see the module docstring). `inputs`: the run's batch-input providers
+  (run/inputs.py); without it they are built from `reference` (frozen params for ref_logp),
+  `teacher` (a teacher.SelfTeacher for the teacher fields), `update_epochs` and `kl_every`;
   `shapes`: the run's compiled trimmed shapes (batching.ShapeReuse), else each batch runs in
   its own bucket; `train_groups`: train this many of the groups collected, signal first (see
-  the module docstring), else all."""
+  the module docstring), else all; `per_task_baseline`: False where the source's tasks never
+  come back (the running baseline keeps only its global mean)."""
+  if inputs is None:
+    inputs = BatchInputs(reference, teacher, update_epochs, kl_every)
   t0 = time.perf_counter()
   source.update_weights(learner.params, version=version)
   t_sync = time.perf_counter() - t0
   tasks, trajs = source.collect(step)
   t_gen = time.perf_counter() - t0
-  needs = set(learner.spec.needs(learner.loss_cfg))
   adv = compute_advantages(trajs, advantage, baseline,
-                           allow_ungraded=bool(needs & teacher_lib.FIELDS))
+                           allow_ungraded=inputs.wants_ungraded(learner),
+                           per_task=per_task_baseline)
   scored = [t for t, k in zip(trajs, adv.keep) if k and t.reward is not None]
   trained, select_metrics = (signal_first(trajs, adv, train_groups) if train_groups is not None
                              else (adv.keep, {}))
   keep = [t for t, k in zip(trajs, trained) if k]
   metrics: dict[str, float] = {}
-  teacher_metrics: dict[str, float] = {}
+  input_metrics: dict[str, float] = {}
   shape_metrics: dict[str, float] = {}
   t1 = time.perf_counter()
   train = max_over_processes([len(keep)])[0] > 0   # the job's decision (module docstring)
@@ -106,30 +103,10 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
       batch = batching.fit_shape(batch, learner.row_multiple, batch_cfg.seq_bucket, agree=agree)
       if shapes is not None:
         shape_metrics = shapes.metrics()
-    if update_epochs > 1:
-      needs.add("old_logp")
-    if "ref_logp" in needs and reference is None:
-      raise ValueError(f"loss {learner.cfg.loss!r} needs ref_logp but the run has no reference")
-    if reference is not None and kl_every > 0 and version % kl_every == 0:
-      needs.add("ref_logp")
-    unsupported = needs - {"old_logp", "ref_logp", "behaviour_logp"}
-    if teacher is not None:
-      unsupported -= teacher_lib.FIELDS
-    if unsupported:
-      raise ValueError(f"loss {learner.cfg.loss!r} needs {sorted(unsupported)}, which this RL "
-                       "step cannot compute (a distillation loss needs a teacher)")
-    if teacher is not None and needs & teacher_lib.FIELDS:
-      batch, teacher_metrics = teacher.fill(learner, keep, batch, {t.id: t for t in tasks},
-                                            needs=needs)
-    if "ref_logp" in needs:
-      batch = dataclasses.replace(batch, ref_logp=np.asarray(learner.logprobs(batch, reference)))
-    if "old_logp" in needs:
-      batch = dataclasses.replace(batch, old_logp=np.asarray(learner.logprobs(batch)))
-    step_inputs = teacher.step_inputs(learner) if teacher is not None else {}
-    for _ in range(update_epochs):
-      metrics = learner.step(batch, **step_inputs)
-    if teacher is not None:
-      teacher.after_update(learner)
+    batch, input_metrics, step_kwargs = inputs.fill(learner, batch, keep, tasks, version)
+    for _ in range(inputs.update_epochs):
+      metrics = learner.step(batch, **step_kwargs)
+    inputs.after_update(learner)
   t_train = time.perf_counter() - t1
   reward = float(np.mean([t.reward for t in scored])) if scored else float("nan")
   metrics.update({
@@ -142,7 +119,7 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
       "skipped_update": float(not train),
       "time/update_weights_s": t_sync, "time/generate_s": t_gen, "time/train_s": t_train,
   })
-  metrics.update(teacher_metrics)
+  metrics.update(input_metrics)
   metrics.update(shape_metrics)
   metrics.update(select_metrics)
   metrics.update(episode_signals(trajs))
@@ -155,7 +132,7 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
     metrics["baseline/unseen_tasks"] = adv.stats["unseen_tasks"]
   metrics.update(source.metrics())
   return StepResult(metrics, adv.state if adv.state is not None else baseline, tasks, trajs,
-                    train, batch if train else None)
+                    train, batch if train else None, version)
 
 
 def signal_first(trajs, adv, k: int) -> tuple[np.ndarray, dict[str, float]]:

@@ -1,0 +1,33 @@
+"""What a finished run reports: result.json and the one `RESULT ...` line launch/train.py prints."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def result(cfg, state, final_eval: dict, end_step: int, seconds: float) -> dict:
+  """heldout_*: the sampled accuracy, or the greedy one in a greedy-only eval
+  (eval.sampled=False); reward_first10 / _last10: the mean reward of the first and last ten RL
+  steps; minutes: this process's wall time; stopped / steps: an early stop (run/stops.py)."""
+  r = [x for x in state.rewards if x == x]
+  before, stopped, nan = state.heldout_before or {}, state.stopped, float("nan")
+  key = "eval/accuracy" if cfg.eval.sampled else "eval/accuracy_greedy"
+  return {
+      "heldout_before": before.get(key, nan), "heldout_after": final_eval.get(key, nan),
+      "heldout_greedy_before": before.get("eval/accuracy_greedy", nan),
+      "heldout_greedy_after": final_eval.get("eval/accuracy_greedy", nan),
+      "reward_first10": float(np.mean(r[:10])) if r else nan,
+      "reward_last10": float(np.mean(r[-10:])) if r else nan,
+      "minutes": seconds / 60, "train_s_total": state.train_s, "eval_s_total": state.eval_s,
+      "stopped": stopped["reason"] if stopped else None, "steps": end_step,
+  }
+
+
+def result_line(result: dict) -> str:
+  """`RESULT heldout_before=… … minutes=…`, then `stopped=<target|budget> steps=<k>` for a run
+  that ended early."""
+  keys = ("heldout_before", "heldout_after", "reward_first10", "reward_last10", "minutes")
+  line = "RESULT " + " ".join(f"{k}={result[k]:.4f}" if k != "minutes" else f"{k}={result[k]:.2f}"
+                              for k in keys)
+  if result.get("stopped"):
+    line += f" stopped={result['stopped']} steps={result['steps']}"
+  return line
