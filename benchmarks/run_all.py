@@ -67,11 +67,13 @@ SUITE = (
     Bench("proxy_overhead", "recording proxy latency over the bare engine, calls/s",
           ("--calls", "100", "--concurrency", "16", "--calls_per_client", "5"),
           ("p50_overhead_ms", "p99_overhead_ms", "calls_per_s"), 300),
-    # The SFT start moves with library versions (0.42 sampled held-out, then 0.56 after a fresh
-    # install of jax 0.10.2 / flax 0.12.8): the target sits above today's start.
-    Bench("default_run", "the default run (README command 1): GRPO seconds to held-out accuracy 0.6",
-          ("--target", "0.6", "--every", "25", "--budget_s", "300"),
-          ("rl_s_to_target", "sft_s", "rl_s_per_step", "heldout_before", "heldout_reached"), 600),
+    # The target is relative to the run's own start (which moves with library versions), fixed
+    # before the run: +0.10 held-out accuracy.
+    Bench("default_run", "the default run (README command 1): GRPO seconds to +0.10 held-out "
+          "accuracy over its own start",
+          ("--gain", "0.1", "--every", "25", "--budget_s", "300"),
+          ("target", "rl_s_to_target", "sft_s", "rl_s_per_step", "heldout_before",
+           "heldout_reached"), 600),
     Bench("time_to_accuracy", "ours vs TRL GRPOTrainer from one warm start: seconds to targets",
           ("--seeds", "0", "--targets", "0.5", "--budget_s", "120", "--skip_trl",
            "--work", "runs/bench/time_to_accuracy"),
