@@ -93,8 +93,9 @@ from posttrain_jax.actors.rollout import (  # noqa: E402
 from posttrain_jax.advantages import AdvantageConfig  # noqa: E402
 from posttrain_jax.engines.registry import DecoderWeights  # noqa: E402
 from posttrain_jax.engines.jax_sampler import JaxSampler, JaxSamplerConfig  # noqa: E402
-from posttrain_jax.envs import TaskBank, TaskBankConfig, make_grader  # noqa: E402
-from posttrain_jax.envs.synthetic import ArithmeticConfig  # noqa: E402
+from posttrain_jax.tasks import TaskBank, TaskBankConfig
+from posttrain_jax.graders import make_grader
+from posttrain_jax.tasks.synthetic import ArithmeticConfig  # noqa: E402
 from posttrain_jax.learner import Learner, LearnerConfig, OptimizerConfig  # noqa: E402
 from posttrain_jax.losses import GRPOConfig  # noqa: E402
 from posttrain_jax.models import hf_io  # noqa: E402

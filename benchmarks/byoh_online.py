@@ -65,7 +65,8 @@ class Harness:
   """The user's agent: calls, grades, posts the grade (module docstring)."""
 
   def __init__(self, url: str, cfg, clients: int):
-    from posttrain_jax.envs import TaskBank, make_grader
+    from posttrain_jax.tasks import TaskBank
+    from posttrain_jax.graders import make_grader
     import dataclasses
     self.url, self.clients = url, clients
     self.tasks = TaskBank(dataclasses.replace(cfg.tasks, seed=cfg.tasks.seed + 1)).iterator()

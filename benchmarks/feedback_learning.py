@@ -1,6 +1,6 @@
 """Learning from free-text feedback on single trajectories: self-distillation vs policy gradient.
 
-The task (envs/hidden_rule.py): a word, and a rule that maps it to the answer. A warm-start SFT
+The task (tasks/hidden_rule.py): a word, and a rule that maps it to the answer. A warm-start SFT
 teaches the tiny model every rule when the prompt states it ("rule: reverse | abc" -> "cba")
 and the prior "a prompt without a rule means copy". The RL phase then sees only prompts without
 a rule, whose real rule is hidden (reverse): the grader scores exact match and its free-text
@@ -40,8 +40,8 @@ from posttrain_jax import batching
 from posttrain_jax.actors.rollout import encode_prompt
 from posttrain_jax.engines.base import SamplingParams
 from posttrain_jax.engines.registry import EngineContext, engine_spec
-from posttrain_jax.envs import distinct_tasks
-from posttrain_jax.envs.hidden_rule import StringRuleConfig
+from posttrain_jax.tasks import distinct_tasks
+from posttrain_jax.tasks.hidden_rule import StringRuleConfig
 from posttrain_jax.learner import Learner, LearnerConfig
 from posttrain_jax.metrics import read_metrics
 from posttrain_jax.models import hf_io

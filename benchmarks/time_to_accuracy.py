@@ -182,9 +182,10 @@ def run_trl(warm: pathlib.Path, seed: int, args, work: pathlib.Path) -> dict:
   from trl import GRPOConfig, GRPOTrainer
 
   from posttrain_jax.actors.rollout import draw_task
-  from posttrain_jax.envs import TaskBank, make_grader
-  from posttrain_jax.envs.graders import NumericConfig
-  from posttrain_jax.envs.task import Task
+  from posttrain_jax.tasks import TaskBank
+  from posttrain_jax.graders import make_grader
+  from posttrain_jax.graders import NumericConfig
+  from posttrain_jax.tasks.task import Task
   from posttrain_jax.run_config import run_config_from_dict
 
   torch.manual_seed(seed)

@@ -1,6 +1,6 @@
 """SDPO-style self-distillation from free-text feedback on single trajectories (no groups).
 
-The hidden-rule task (posttrain_jax/envs/hidden_rule.py): a word and a rule; the RL prompts never
+The hidden-rule task (posttrain_jax/tasks/hidden_rule.py): a word and a rule; the RL prompts never
 state their rule (it is `reverse`), and the `hidden_rule` grader's feedback names it. Two commands:
 
     python launch/train.py --config=configs/sdpo.py:warmstart   # SFT: every rule when stated

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Callable, Generic, Optional, TypeVar, Union
+from typing import Callable, Generic, TypeVar, Union
 
 T = TypeVar("T")
 

@@ -18,7 +18,8 @@ from posttrain_jax.byoh.trace_source import TraceSourceConfig
 from posttrain_jax.checkpoint import CheckpointConfig
 from posttrain_jax.config_io import config_dict_of, from_dict
 from posttrain_jax.engines.registry import engine_names, engine_spec
-from posttrain_jax.envs import GENERATORS, GRADERS, TaskBankConfig
+from posttrain_jax.tasks import GENERATORS, TaskBankConfig
+from posttrain_jax.graders import GRADERS
 from posttrain_jax.learner import LearnerConfig, OptimizerConfig
 from posttrain_jax.losses import CISPOConfig, GRPOConfig, get_loss
 from posttrain_jax.losses.off_policy import CORRECTIONS
@@ -186,7 +187,7 @@ class RunConfig:
   seed: int = 0                   # sampling seeds derive from (seed, step)
   model: ModelSource = ModelSource()
   tasks: TaskBankConfig = TaskBankConfig()
-  grader: str = "numeric"         # a name in posttrain_jax.envs.GRADERS
+  grader: str = "numeric"         # a name in posttrain_jax.graders.GRADERS
   grader_config: Any = None       # that grader's config (class from the registry, e.g. numeric:
                                   # {"pick": "first"}); None = defaults
   sft: SFTPhaseConfig = SFTPhaseConfig()

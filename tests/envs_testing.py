@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 from posttrain_jax.engines.base import Completion
 from posttrain_jax.envs.env import ToolEnv, ToolEnvConfig, ToolSpec, register_env
-from posttrain_jax.envs.task import Task
+from posttrain_jax.tasks.task import Task
 from posttrain_jax.models import hf_io
 from posttrain_jax.models.chat_templates import CHAT_FORMATS
 from posttrain_jax.models.tiny import TinyModelConfig, build_tiny_model

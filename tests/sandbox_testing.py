@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from posttrain_jax.envs.sandbox import Sandbox, SandboxConfig
+from posttrain_jax.sandbox.session import Sandbox
+from posttrain_jax.sandbox import SandboxConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CFG = SandboxConfig(cpu_seconds=1, memory_mb=256, max_processes=16, max_file_mb=2, disk_mb=8,

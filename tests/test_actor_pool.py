@@ -14,7 +14,8 @@ from posttrain_jax.actors.episode import RetryConfig, WorkItem
 from posttrain_jax.actors.pool import ActorPool, AsyncRollouts, PoolConfig
 from posttrain_jax.actors.rollout import RolloutConfig, TaskEpisode
 from posttrain_jax.engines.base import Completion
-from posttrain_jax.envs import GradeResult, Task
+from posttrain_jax.graders import GradeResult
+from posttrain_jax.tasks import Task
 from posttrain_jax.replay import ReplayConfig, ReplayQueue
 from posttrain_jax.types import Status
 

@@ -11,7 +11,7 @@ from posttrain_jax.actors.multiturn import EnvEpisode, EnvEpisodeConfig, demonst
 from posttrain_jax.actors.rollout import RolloutConfig
 from posttrain_jax.envs.env import Budgets
 from posttrain_jax.envs.file_task import FileTaskTasks
-from posttrain_jax.envs.synthetic import distinct_tasks
+from posttrain_jax.tasks.synthetic import distinct_tasks
 from posttrain_jax.envs.tool_math import ToolMathTasks
 from posttrain_jax.types import Status
 from tests import envs_testing as et

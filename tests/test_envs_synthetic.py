@@ -3,11 +3,18 @@ import re
 
 import pytest
 
-from posttrain_jax.envs.graders import grade
-from posttrain_jax.envs.synthetic import (
-    EVAL, GENERATORS, TRAIN, ArithmeticConfig, CountdownConfig, GeneratorError, SyntheticSource,
-    distinct_tasks, generate_task, solution_text)
-from posttrain_jax.envs.task import is_held_out
+from posttrain_jax.graders import grade
+from posttrain_jax.tasks.synthetic import (EVAL,
+    GENERATORS,
+    TRAIN,
+    ArithmeticConfig,
+    CountdownConfig,
+    GeneratorError,
+    SyntheticSource,
+    distinct_tasks,
+    generate_task,
+    solution_text)
+from posttrain_jax.tasks.task import is_held_out
 
 
 def _reference_value(expr: str) -> int:

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from posttrain_jax.envs.task import Task, TaskError, is_held_out
+from posttrain_jax.tasks.task import Task, TaskError, is_held_out
 
 
 def test_json_round_trip_and_views():

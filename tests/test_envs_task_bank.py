@@ -6,8 +6,13 @@ import sys
 
 import pytest
 
-from posttrain_jax.envs import (
-    SOURCES, ArithmeticConfig, HfDiskSource, JsonlSource, Task, TaskBank, TaskBankConfig,
+from posttrain_jax.tasks import (SOURCES,
+    ArithmeticConfig,
+    HfDiskSource,
+    JsonlSource,
+    Task,
+    TaskBank,
+    TaskBankConfig,
     TaskBankError)
 
 N_ROWS = 40
@@ -136,7 +141,7 @@ def test_shuffle_is_deterministic_by_seed(data_dir):
 def test_same_order_in_another_process(data_dir):
   code = (
       "import json, sys\n"
-      "from posttrain_jax.envs import TaskBank, TaskBankConfig, ArithmeticConfig\n"
+      "from posttrain_jax.tasks import TaskBank, TaskBankConfig, ArithmeticConfig\n"
       f"j = TaskBank(TaskBankConfig(source='jsonl', path={str(data_dir / 'tasks.jsonl')!r}, "
       "seed=5)).iterator()\n"
       "s = TaskBank(TaskBankConfig(generator_config=ArithmeticConfig(max_digits=3), seed=5,"

@@ -178,7 +178,7 @@ def test_check_replays_the_last_outcome_on_the_faulty_backend(monkeypatch):
   """check() returns what the last python program printed (or its error again: the policy's),
   is the policy's error before any program ran, meets the injected backend faults like python
   does, and starts no sandbox process of its own (only the python calls do)."""
-  from posttrain_jax.envs.sandbox import SandboxSession
+  from posttrain_jax.sandbox.session import SandboxSession
   started = []
   real_arun = SandboxSession.arun
 

@@ -3,9 +3,9 @@ checked with errors that name the field; the trainer grades with them."""
 import pytest
 
 from posttrain_jax.config_io import ConfigTypeError
-from posttrain_jax.envs import make_grader
-from posttrain_jax.envs.graders import NumericConfig, extract_final_answer
-from posttrain_jax.envs.task import Task
+from posttrain_jax.graders import make_grader
+from posttrain_jax.graders import NumericConfig, extract_final_answer
+from posttrain_jax.tasks.task import Task
 from posttrain_jax.run_config import run_config_from_dict
 
 
@@ -58,7 +58,7 @@ def test_bad_grader_config_names_the_field(over, match):
 
 
 def test_a_grader_config_of_another_grader_is_refused():
-  from posttrain_jax.envs.graders import ExactMatchConfig
+  from posttrain_jax.graders import ExactMatchConfig
   from posttrain_jax.run_config import RunConfig
   with pytest.raises(ValueError, match=r"grader_config is a ExactMatchConfig; grader 'numeric' "
                                        r"takes a NumericConfig"):

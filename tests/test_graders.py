@@ -3,11 +3,19 @@ from fractions import Fraction
 
 import pytest
 
-from posttrain_jax.envs.graders import (
-    GRADERS, CountdownGraderConfig, ExactMatchConfig, ExpressionError, GraderError,
-    NumericConfig, evaluate_expression, extract_final_answer, grade, last_boxed, make_grader,
+from posttrain_jax.graders import (GRADERS,
+    CountdownGraderConfig,
+    ExactMatchConfig,
+    ExpressionError,
+    GraderError,
+    NumericConfig,
+    evaluate_expression,
+    extract_final_answer,
+    grade,
+    last_boxed,
+    make_grader,
     parse_number)
-from posttrain_jax.envs.task import Task
+from posttrain_jax.tasks.task import Task
 
 
 def _task(answer, **metadata):

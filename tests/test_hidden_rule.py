@@ -1,9 +1,12 @@
-"""envs/hidden_rule.py: the rule task whose hidden rule only the grader's feedback states."""
+"""tasks/hidden_rule.py: the rule task whose hidden rule only the grader's feedback states."""
 import pytest
 
-from posttrain_jax.envs import distinct_tasks, generate_task, make_grader
-from posttrain_jax.envs.hidden_rule import (HiddenRuleGraderConfig, StringRuleConfig,
-                                            apply_rule, hidden_rule_grader)
+from posttrain_jax.tasks import distinct_tasks, generate_task
+from posttrain_jax.graders import make_grader
+from posttrain_jax.tasks.hidden_rule import (HiddenRuleGraderConfig,
+    StringRuleConfig,
+    apply_rule,
+    hidden_rule_grader)
 from posttrain_jax.errors import UserError
 
 

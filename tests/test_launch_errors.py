@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from posttrain_jax.config_io import ConfigTypeError
-from posttrain_jax.envs.task_bank import TaskBankError
-from posttrain_jax.envs.synthetic import GeneratorError
+from posttrain_jax.tasks.bank import TaskBankError
+from posttrain_jax.tasks.synthetic import GeneratorError
 from posttrain_jax.errors import PathNotFoundError, UserError
 from posttrain_jax.models.config import ConfigError
 from posttrain_jax.models.hf_io import CheckpointError

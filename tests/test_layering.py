@@ -8,7 +8,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RANKS = {
     "registry": 0, "types": 0, "config_io": 0, "errors": 0,
     "kernels": 1, "sharding": 1, "multihost": 1,
-    "losses": 2, "envs": 2, "advantages": 2, "batching": 2, "overlap": 2, "metrics": 2, "checkpoint": 2,
+    "losses": 2, "envs": 2, "tasks": 2, "graders": 2, "sandbox": 2, "advantages": 2, "batching": 2, "overlap": 2, "metrics": 2, "checkpoint": 2,
     "step_metrics": 2,
     "audit": 2,
     "models": 3,

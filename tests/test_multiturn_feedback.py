@@ -2,7 +2,7 @@
 ToolEnv grade's GradeResult.info["feedback"]) into every sample, as single-turn rollouts carry
 the grader's."""
 from posttrain_jax.envs.env import ENVS, EnvStep, register_env
-from posttrain_jax.envs.graders import GradeResult
+from posttrain_jax.graders import GradeResult
 from posttrain_jax.types import Status
 from tests import envs_testing as et
 from tests.test_multiturn import CALL, run_episode, tool_then_answer

@@ -16,13 +16,9 @@ import time
 
 import pytest
 
-from posttrain_jax.envs import sandbox_call
-from posttrain_jax.envs.sandbox import (
-    Sandbox,
-    SandboxConfig,
-    SandboxError,
-    SandboxUnavailableError,
-)
+from posttrain_jax.sandbox import call as sandbox_call
+from posttrain_jax.sandbox.session import Sandbox
+from posttrain_jax.sandbox import SandboxConfig, SandboxError, SandboxUnavailableError
 from tests.sandbox_testing import (  # noqa: F401 (sandbox, marker, session: fixtures)
     CFG, marker, mounted, needs_bwrap, procs_with, sandbox, session)
 
@@ -100,7 +96,7 @@ def test_missing_bwrap_is_one_clear_error():
 
 
 def test_unsandboxed_warns_and_still_limits(caplog, marker):
-  with caplog.at_level(logging.WARNING, logger="posttrain_jax.envs.sandbox"):
+  with caplog.at_level(logging.WARNING, logger="posttrain_jax.sandbox.session"):
     sb = Sandbox(dataclasses.replace(CFG, bwrap="/nonexistent/bwrap", allow_unsandboxed=True))
   assert not sb.sandboxed
   assert any("WITHOUT a sandbox" in r.getMessage() for r in caplog.records), caplog.text

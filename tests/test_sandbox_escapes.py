@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from posttrain_jax.envs.sandbox import ExecResult, UnsafePathError
+from posttrain_jax.sandbox import ExecResult, UnsafePathError
 from tests.sandbox_testing import (  # noqa: F401 (sandbox, marker, session: fixtures)
     CFG, ROOT, marker, mounted, needs_bwrap, procs_with, sandbox, session)
 

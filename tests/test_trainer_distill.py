@@ -1,5 +1,5 @@
 """The run with a self-distillation loss: the teacher wired through RunConfig, rl_step and the
-trainer, on the hidden-rule task whose grader gives free-text feedback (envs/hidden_rule.py)."""
+trainer, on the hidden-rule task whose grader gives free-text feedback (tasks/hidden_rule.py)."""
 import jax
 import numpy as np
 import pytest

@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional, Protocol, Sequence
 
-from posttrain_jax.envs import Task
+from posttrain_jax.tasks import Task
 from posttrain_jax.registry import Registry
 from posttrain_jax.types import Source, Status, Trajectory
 

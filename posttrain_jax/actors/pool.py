@@ -57,7 +57,7 @@ from posttrain_jax.actors.episode import (
 from posttrain_jax.actors.rollout import DataExhaustedError, draw_task, exhausted
 from posttrain_jax.actors.source import SourceBase, check_kind
 from posttrain_jax.engines.base import Engine, engine_metrics
-from posttrain_jax.envs import Task
+from posttrain_jax.tasks import Task
 from posttrain_jax.replay import ReplayConfig, ReplayQueue
 from posttrain_jax.types import Trajectory
 

@@ -30,7 +30,8 @@ from posttrain_jax.actors.source import SourceBase, check_kind
 from posttrain_jax.batching import sft_trajectory
 from posttrain_jax.engines.base import (
     Completion, Engine, PromptTooLongError, SamplingParams, engine_metrics)
-from posttrain_jax.envs import GradeResult, Task, solution_text
+from posttrain_jax.graders import GradeResult
+from posttrain_jax.tasks import Task, solution_text
 from posttrain_jax.errors import UserError
 from posttrain_jax.types import Source, Status, Trajectory
 

@@ -13,7 +13,7 @@ job twice stores nothing twice; `regrade=True` re-scores sessions that grew sinc
 
 Built in: "reference" — the harness put the expected answer in the request's OpenAI
 `metadata` ({"reference": "42"}) on any call of the session; the last complete call's first
-answer is graded against it with a task-bank grader (envs/graders.py, "numeric" by default).
+answer is graded against it with a task-bank grader (graders/, "numeric" by default).
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from posttrain_jax.byoh.store import CallRecord, Feedback, TraceStore
-from posttrain_jax.envs.graders import make_grader
-from posttrain_jax.envs.task import Task
+from posttrain_jax.graders import make_grader
+from posttrain_jax.tasks.task import Task
 from posttrain_jax.registry import Registry
 
 
@@ -83,7 +83,7 @@ def grade_sessions(store: TraceStore, name: str, cfg: Any = None, *,
 class ReferenceConfig:
   """Grade the final answer against `metadata[key]` of the session's requests."""
   key: str = "reference"          # the request metadata field holding the expected answer
-  grader: str = "numeric"         # a task-bank grader (envs/graders.py)
+  grader: str = "numeric"         # a task-bank grader (graders/)
 
 
 @register_trace_grader("reference", ReferenceConfig)

@@ -41,7 +41,7 @@ from posttrain_jax.actors.source import SourceBase, check_kind
 from posttrain_jax.byoh.online import OnlineConfig
 from posttrain_jax.byoh.rebuild import rebuild_session, session_grade
 from posttrain_jax.byoh.store import StoreConfig, TraceStore
-from posttrain_jax.envs.task import Task
+from posttrain_jax.tasks.task import Task
 from posttrain_jax.types import Trajectory
 
 

@@ -13,7 +13,7 @@ messages the environment appends in OpenAI chat format (`{"role": "tool", "tool_
 "content"}` for results, `{"role": "user", ...}` for follow-ups); `reward` is set when `done`;
 `info["feedback"]`, a free text on the attempt (never shown to the policy), goes into every
 sample of the episode (Trajectory.feedback, read by a self-distillation teacher). A ToolEnv's
-`grade` may return a GradeResult (envs/graders.py) instead of a float: its info["feedback"]
+`grade` may return a GradeResult (graders/) instead of a float: its info["feedback"]
 becomes the final step's.
 `tools` are declared in the OpenAI tools format and shown to the model by the chat template.
 
@@ -38,8 +38,8 @@ import dataclasses
 import json
 from typing import Any, Awaitable, Callable, Optional, Sequence, Union
 
-from posttrain_jax.envs.graders import GradeResult
-from posttrain_jax.envs.task import Task
+from posttrain_jax.graders import GradeResult
+from posttrain_jax.tasks.task import Task
 from posttrain_jax.envs.tool_calls import ParsedTurn, ToolCall
 from posttrain_jax.registry import Registry
 

@@ -47,7 +47,7 @@ import zlib
 from typing import Any, Callable
 
 from posttrain_jax.envs.env import EnvStep, ToolFailure, ToolSpec, register_env
-from posttrain_jax.envs.task import Task
+from posttrain_jax.tasks.task import Task
 from posttrain_jax.envs.tool_calls import ToolCall, render_call
 from posttrain_jax.envs.tool_math import PYTHON, ToolMathConfig, ToolMathEnv
 

@@ -21,9 +21,9 @@ import numpy as np
 
 from posttrain_jax.envs.env import (EnvInfraError, ToolEnv, ToolEnvConfig, ToolFailure, ToolSpec,
                                     register_env)
-from posttrain_jax.envs.sandbox import SandboxConfig, SandboxError, UnsafePathError
-from posttrain_jax.envs.synthetic import GeneratorError, register_generator
-from posttrain_jax.envs.task import Task
+from posttrain_jax.sandbox import SandboxConfig, SandboxError, UnsafePathError
+from posttrain_jax.tasks.synthetic import GeneratorError, register_generator
+from posttrain_jax.tasks.task import Task
 from posttrain_jax.envs.tool_calls import ToolCall, render_call
 from posttrain_jax.envs.tool_math import TOOL_SANDBOX, open_session
 

@@ -13,7 +13,7 @@ the result:
 
 Reward: 1 if the final answer (a turn without tool calls, read by the "numeric" grader) equals
 the value, else 0; minus the tool plumbing's penalties (ToolEnv). The python tool runs each call
-in a fresh process of the episode's sandbox session (envs/sandbox.py): its output is stdout, a
+in a fresh process of the episode's sandbox session (sandbox/session.py): its output is stdout, a
 failing call returns its exit summary and the end of stderr (a tool error of the policy); the
 sandbox failing to start is ours (EnvInfraError). `infra_fault_rate` injects tool-backend
 failures (ours) for the fidelity benchmark.
@@ -31,10 +31,11 @@ import numpy as np
 
 from posttrain_jax.envs.env import (EnvInfraError, ToolEnv, ToolEnvConfig, ToolFailure, ToolSpec,
                                     register_env)
-from posttrain_jax.envs.graders import make_grader
-from posttrain_jax.envs.sandbox import Sandbox, SandboxConfig, SandboxError
-from posttrain_jax.envs.synthetic import GeneratorError, register_generator
-from posttrain_jax.envs.task import Task
+from posttrain_jax.graders import make_grader
+from posttrain_jax.sandbox.session import Sandbox
+from posttrain_jax.sandbox import SandboxConfig, SandboxError
+from posttrain_jax.tasks.synthetic import GeneratorError, register_generator
+from posttrain_jax.tasks.task import Task
 from posttrain_jax.envs.tool_calls import ToolCall, render_call
 
 

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import jax
 
 from posttrain_jax.engines.base import EngineError
-from posttrain_jax.envs import GraderError
+from posttrain_jax.graders import GraderError
 from posttrain_jax.envs.env import EnvInfraError
 from posttrain_jax.multihost import all_gather_json
 

@@ -22,7 +22,8 @@ from posttrain_jax.actors.episode import EpisodeContext, episode_spec
 from posttrain_jax.actors.rollout import encode_messages, encode_prompt
 from posttrain_jax.config_io import ConfigTypeError
 from posttrain_jax.engines.registry import EngineContext, engine_spec
-from posttrain_jax.envs import TaskBank, make_grader
+from posttrain_jax.tasks import TaskBank
+from posttrain_jax.graders import make_grader
 from posttrain_jax.learner import Learner, abstract_train_state
 from posttrain_jax.losses import get_loss
 from posttrain_jax.models import hf_io

@@ -30,9 +30,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from posttrain_jax.envs.graders import evaluate_expression, extract_final_answer
+from posttrain_jax.graders.answers import extract_final_answer
+from posttrain_jax.graders.countdown import evaluate_expression
 from posttrain_jax.errors import UserError
-from posttrain_jax.envs.task import Prompt, Task, is_held_out
+from posttrain_jax.tasks.task import Prompt, Task, is_held_out
 from posttrain_jax.registry import Registry
 
 TRAIN, EVAL = "train", "eval"
@@ -99,7 +100,8 @@ class GeneratorSpec:
   config_cls: type
 
 
-GENERATORS: Registry[GeneratorSpec] = Registry("generator")
+GENERATORS: Registry[GeneratorSpec] = Registry(
+    "generator", discover=("posttrain_jax.tasks", "posttrain_jax.envs"))
 
 
 def register_generator(name: str, config_cls: type):

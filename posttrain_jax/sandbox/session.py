@@ -110,10 +110,14 @@ import tempfile
 import weakref
 from typing import Optional, Sequence, Union
 
-from posttrain_jax.envs.sandbox_call import _INIT, _Call
-from posttrain_jax.envs.sandbox_config import (LIMITS, SANDBOX_PATH, ExecResult, SandboxConfig,
-                                               SandboxError, SandboxUnavailableError,
-                                               UnsafePathError)
+from posttrain_jax.sandbox.call import _INIT, _Call
+from posttrain_jax.sandbox.config import (LIMITS,
+    SANDBOX_PATH,
+    ExecResult,
+    SandboxConfig,
+    SandboxError,
+    SandboxUnavailableError,
+    UnsafePathError)
 
 __all__ = ["LIMITS", "ExecResult", "Sandbox", "SandboxConfig", "SandboxError", "SandboxSession",
            "SandboxUnavailableError", "UnsafePathError"]

@@ -40,8 +40,8 @@ from typing import Any, Callable, Iterator, Optional
 import grain
 import numpy as np
 
-from posttrain_jax.envs import synthetic
-from posttrain_jax.envs.task import Task, TaskError, is_held_out
+from posttrain_jax.tasks import synthetic
+from posttrain_jax.tasks.task import Task, TaskError, is_held_out
 from posttrain_jax.errors import PathNotFoundError, UserError
 from posttrain_jax.registry import Registry
 
@@ -409,7 +409,7 @@ class SubsetSource:
 
 
 # name -> opener(cfg, path, eval_fraction) -> a random-access source of Tasks with `held_out`
-SOURCES: Registry[Callable[..., Any]] = Registry("task source")
+SOURCES: Registry[Callable[..., Any]] = Registry("task source", discover="posttrain_jax.tasks")
 
 
 def _file_kwargs(cfg: TaskBankConfig, eval_fraction: float) -> dict[str, Any]:

@@ -20,10 +20,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
-from posttrain_jax.envs.sandbox_config import SANDBOX_PATH, ExecResult, SandboxError
+from posttrain_jax.sandbox.config import SANDBOX_PATH, ExecResult, SandboxError
 
 if TYPE_CHECKING:
-  from posttrain_jax.envs.sandbox import SandboxSession
+  from posttrain_jax.sandbox.session import SandboxSession
 
 log = logging.getLogger(__name__)
 

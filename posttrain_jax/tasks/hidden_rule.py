@@ -22,9 +22,9 @@ import dataclasses
 
 import numpy as np
 
-from posttrain_jax.envs.graders import GradeResult, register_grader
-from posttrain_jax.envs.synthetic import register_generator
-from posttrain_jax.envs.task import Task
+from posttrain_jax.graders import GradeResult, register_grader
+from posttrain_jax.tasks.synthetic import register_generator
+from posttrain_jax.tasks.task import Task
 from posttrain_jax.errors import UserError
 
 RULES = ("copy", "reverse", "upper", "shift")
