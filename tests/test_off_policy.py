@@ -197,8 +197,8 @@ def test_unknown_correction_lists_registered_names():
     GRPOConfig(correction="tiss")
   for name in ["decoupled", "geo_mask", "icepop", "m2po_mask", "mis", "none", "seq_tis", "tis"]:
     assert name in str(e.value)
-  assert set(CORRECTIONS.names()) == {"decoupled", "geo_mask", "icepop", "m2po_mask", "mis",
-                                      "none", "seq_tis", "tis"}
+  assert {"decoupled", "geo_mask", "icepop", "m2po_mask", "mis", "none", "seq_tis",
+          "tis"} <= set(CORRECTIONS.names())   # a correction added in a new file joins them
 
 
 def test_old_correction_name_m2po_points_to_both_forms():

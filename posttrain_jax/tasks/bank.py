@@ -1,6 +1,8 @@
 """The task bank: sources of `Task`s and the grain pipeline that streams them to the actors.
 
-Sources (registered in `SOURCES`, chosen by `TaskBankConfig.source`):
+Sources (registered in `SOURCES` with `@register_task_source(name, reads_path=...,
+eval_tasks=...)`, chosen by `TaskBankConfig.source`; every module of posttrain_jax/tasks/ is
+imported on the first lookup, so a new source is one file there):
 
 * "jsonl": a file with one JSON object per line (blank lines skipped), e.g.
   `{"id": "q1", "prompt": "12+7=", "answer": "19", "level": 1}`. The prompt is a string or a
@@ -12,6 +14,9 @@ Sources (registered in `SOURCES`, chosen by `TaskBankConfig.source`):
 * "hf_disk": a Hugging Face `datasets` Dataset or DatasetDict written with `save_to_disk`
   (read with `load_from_disk`; pick the split of a DatasetDict with `hf_split`).
 * "synthetic": a generator from `synthetic.GENERATORS` ("arithmetic", "countdown").
+A source that reads a file (`reads_path`) holds its rows out by hash or takes a separate
+`eval_path`; one that generates its tasks (`reads_path=False`) gives its held-out tasks itself
+(`eval_tasks(cfg, n)`).
 
 Column names are configurable (`prompt_field`, `answer_field`, `id_field`); every other column
 lands in `Task.metadata`. A row without an id is named "<file name>:<line or row number>".
@@ -55,7 +60,8 @@ class TaskBankError(UserError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class TaskBankConfig:
   """Where tasks come from and in which order they are streamed."""
-  source: str = "synthetic"            # a SOURCES name: "jsonl", "parquet", "hf_disk", "synthetic"
+  source: str = "synthetic"            # a SOURCES name: "jsonl", "parquet", "hf_disk",
+                                       # "synthetic", or a source registered in tasks/
   path: Optional[str] = None           # jsonl/parquet file or save_to_disk directory (files only)
   hf_split: Optional[str] = None       # hf_disk: split of a saved DatasetDict ("train", "test")
   prompt_field: str = "prompt"         # files: column of the prompt (string or chat messages)
@@ -80,11 +86,12 @@ class TaskBankConfig:
     if self.source not in SOURCES:
       raise TaskBankError(f"TaskBankConfig.source {self.source!r} is unknown; "
                           f"registered sources: {', '.join(SOURCES.names())}")
-    is_file = self.source != "synthetic"
+    is_file = SOURCES.get(self.source).reads_path
     if is_file and not self.path:
       raise TaskBankError(f"TaskBankConfig.path is required for source {self.source!r}")
     if not is_file and (self.path or self.eval_path):
-      raise TaskBankError("TaskBankConfig.path / eval_path do not apply to source 'synthetic'")
+      raise TaskBankError(f"TaskBankConfig.path / eval_path do not apply to source "
+                          f"{self.source!r}: it reads no file")
     if not 0.0 <= self.eval_fraction < 1.0:
       raise TaskBankError(f"TaskBankConfig.eval_fraction must be in [0, 1), "
                           f"got {self.eval_fraction}")
@@ -98,7 +105,7 @@ class TaskBankConfig:
     if self.num_epochs is not None and self.num_epochs < 1:
       raise TaskBankError(f"TaskBankConfig.num_epochs must be >= 1 or None, "
                           f"got {self.num_epochs}")
-    if not is_file and self.synthetic_size is None and self.num_epochs is not None:
+    if self.source == "synthetic" and self.synthetic_size is None and self.num_epochs is not None:
       raise TaskBankError("TaskBankConfig: an endless synthetic stream has no epochs; set "
                           "synthetic_size to use num_epochs")
     if self.eval_size is not None and self.eval_size < 0:
@@ -408,8 +415,27 @@ class SubsetSource:
     return f"SubsetSource({self.source!r}, rows={len(self)})"
 
 
-# name -> opener(cfg, path, eval_fraction) -> a random-access source of Tasks with `held_out`
-SOURCES: Registry[Callable[..., Any]] = Registry("task source", discover="posttrain_jax.tasks")
+@dataclasses.dataclass(frozen=True)
+class TaskSourceSpec:
+  """A registered task source: `open(cfg, path, eval_fraction)` -> a random-access source of
+  Tasks (`__len__`, `__getitem__`; sys.maxsize rows = endless); a file source also has
+  `held_out`, a bool per row. `eval_tasks(cfg, n)`: a generating source's held-out tasks."""
+  name: str
+  open: Callable[..., Any]
+  reads_path: bool = True
+  eval_tasks: Optional[Callable[[Any, int], list]] = None
+
+
+SOURCES: Registry[TaskSourceSpec] = Registry("task source", discover="posttrain_jax.tasks")
+
+
+def register_task_source(name: str, *, reads_path: bool = True,
+                         eval_tasks: Optional[Callable[[Any, int], list]] = None):
+  """Decorator registering `open(cfg, path, eval_fraction) -> source` under `name`."""
+  def deco(fn):
+    SOURCES.register(name)(TaskSourceSpec(name, fn, reads_path, eval_tasks))
+    return fn
+  return deco
 
 
 def _file_kwargs(cfg: TaskBankConfig, eval_fraction: float) -> dict[str, Any]:
@@ -417,22 +443,33 @@ def _file_kwargs(cfg: TaskBankConfig, eval_fraction: float) -> dict[str, Any]:
               id_field=cfg.id_field, chat=cfg.chat, eval_fraction=eval_fraction)
 
 
-@SOURCES.register("jsonl")
+@register_task_source("jsonl")
 def _open_jsonl(cfg: TaskBankConfig, path: str, eval_fraction: float = 0.0) -> JsonlSource:
   return JsonlSource(path, **_file_kwargs(cfg, eval_fraction))
 
 
-@SOURCES.register("parquet")
+@register_task_source("parquet")
 def _open_parquet(cfg: TaskBankConfig, path: str, eval_fraction: float = 0.0) -> ParquetSource:
   return ParquetSource(path, **_file_kwargs(cfg, eval_fraction))
 
 
-@SOURCES.register("hf_disk")
+@register_task_source("hf_disk")
 def _open_hf_disk(cfg: TaskBankConfig, path: str, eval_fraction: float = 0.0) -> HfDiskSource:
   return HfDiskSource(path, split=cfg.hf_split, **_file_kwargs(cfg, eval_fraction))
 
 
-@SOURCES.register("synthetic")
+def _synthetic_eval_tasks(cfg: TaskBankConfig, n: int) -> list[Task]:
+  """`n` distinct tasks from the held-out stream of seed 0 (fewer if its problem space is
+  smaller)."""
+  if cfg.eval_fraction <= 0:
+    raise TaskBankError("no held-out split: set TaskBankConfig.eval_fraction > 0")
+  gen_cfg = synthetic.GENERATORS.get(cfg.generator).config_cls() if cfg.generator_config is None \
+      else cfg.generator_config
+  return synthetic.distinct_tasks(cfg.generator, gen_cfg, n, seed=0, partition=synthetic.EVAL,
+                                  eval_fraction=cfg.eval_fraction, chat=cfg.chat)
+
+
+@register_task_source("synthetic", reads_path=False, eval_tasks=_synthetic_eval_tasks)
 def _open_synthetic(cfg: TaskBankConfig, path: Optional[str] = None,
                     eval_fraction: float = 0.0) -> synthetic.SyntheticSource:
   del path
@@ -497,9 +534,9 @@ class TaskBank:
 
   def __init__(self, cfg: TaskBankConfig):
     self.cfg = cfg
-    opener = SOURCES.get(cfg.source)
-    self._synthetic = cfg.source == "synthetic"
-    if self._synthetic:
+    self.spec = spec = SOURCES.get(cfg.source)
+    opener = spec.open
+    if not spec.reads_path:
       self.train_source = opener(cfg, None, cfg.eval_fraction)
       self._eval_source = None
     else:
@@ -525,8 +562,8 @@ class TaskBank:
     ident = {
         "source": cfg.source, "file": os.path.basename(os.path.normpath(cfg.path or "")),
         "hf_split": cfg.hf_split, "fields": [cfg.prompt_field, cfg.answer_field, cfg.id_field],
-        "chat": cfg.chat, "generator": cfg.generator if self._synthetic else None,
-        "generator_config": repr(cfg.generator_config) if self._synthetic else None,
+        "chat": cfg.chat, "generator": None if self.spec.reads_path else cfg.generator,
+        "generator_config": None if self.spec.reads_path else repr(cfg.generator_config),
         "synthetic_size": cfg.synthetic_size, "seed": cfg.seed, "shuffle": cfg.shuffle,
         "num_epochs": cfg.num_epochs, "eval_fraction": cfg.eval_fraction,
         "shard": [cfg.process_index, cfg.process_count, cfg.even_shards],
@@ -562,19 +599,15 @@ class TaskBank:
   def eval_tasks(self, shard: bool = False) -> list[Task]:
     """The held-out tasks (at most `eval_size`), in a seed-independent order.
 
-    Synthetic: `eval_size` (default 256) distinct tasks from the held-out stream of seed 0
-    (fewer if the held-out problem space is smaller). With `shard`, only this process's
-    `[process_index::process_count]` slice.
+    A source that generates its tasks gives `eval_size` (default 256) held-out tasks itself
+    (synthetic: distinct tasks from the held-out stream of seed 0). With `shard`, only this
+    process's `[process_index::process_count]` slice.
     """
     cfg = self.cfg
-    if self._synthetic:
-      if cfg.eval_fraction <= 0:
-        raise TaskBankError("no held-out split: set TaskBankConfig.eval_fraction > 0")
-      n = 256 if cfg.eval_size is None else cfg.eval_size
-      gen_cfg = self.train_source.cfg
-      tasks = synthetic.distinct_tasks(cfg.generator, gen_cfg, n, seed=0,
-                                       partition=synthetic.EVAL,
-                                       eval_fraction=cfg.eval_fraction, chat=cfg.chat)
+    if not self.spec.reads_path:
+      if self.spec.eval_tasks is None:
+        raise TaskBankError(f"task source {cfg.source!r} has no held-out tasks")
+      tasks = self.spec.eval_tasks(cfg, 256 if cfg.eval_size is None else cfg.eval_size)
     else:
       if self._eval_source is None:
         raise TaskBankError("no held-out split: set TaskBankConfig.eval_fraction or eval_path")
