@@ -36,7 +36,7 @@ needs). With `async_save` the fault surfaces at the next `save`, `wait` or `clos
 the step that was in flight.
 
 Crash test hook: with `POSTTRAIN_JAX_CRASH_AT=<point>:<step>` in the environment, `crash_point`
-SIGKILLs the process at that point (tests/test_chaos.py, benchmarks/chaos_resume.py). The point
+SIGKILLs the process at that point (tests/run/test_chaos.py, benchmarks/chaos_resume.py). The point
 `save:<step>` is inside this module's save of `step`: every item and orbax's commit marker
 written in the temporary directory, the rename that commits it not yet done (in the background
 thread with `async_save`); the trainer adds `export:<sft.steps>` (sft_model/ exported, the

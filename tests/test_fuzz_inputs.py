@@ -1,4 +1,4 @@
-"""Fuzzed inputs at every edge that reads the outside world (tests/fuzz_testing.py says how).
+"""Fuzzed inputs at every edge that reads the outside world (tests/support/fuzz.py says how).
 
 Each property: accepted and kept exactly, or refused with the project's error naming the
 field / line; never another exception type, a 5xx, a record lost or half-written. CI budgets
@@ -13,7 +13,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from tests import fuzz_testing as fz
+from tests.support import fuzz as fz
 
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
@@ -110,8 +110,8 @@ def test_request_regressions(chat, raw, field):
 
 @pytest.fixture(scope="module")
 def proxy_client(tmp):
-  from tests import byoh_testing as bt
-  from tests import envs_testing as et
+  from tests.support import byoh as bt
+  from tests.support import envs as et
   tok = et.tokenizer("hermes")
   engine = et.ScriptedEngine(tok, lambda _, k: "ok", et.stop_ids(tok, "hermes")[0])
   with bt.running(engine, tmp / "http.db") as (url, proxy), \

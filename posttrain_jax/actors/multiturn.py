@@ -26,7 +26,7 @@ The seconds an episode is charged against `Budgets.max_seconds` are its own: the
 own environment steps plus, per turn, an equal share of the batched generate call,
 dt / rows. Not the wall time since it started (the issue's "wall seconds"; a deliberate
 departure): in lock-step turns that also holds every other episode's generation and slowest tool
-step, so the same policy timed out on 128 episodes a batch and not on 2 (tests/test_multiturn.py)
+step, so the same policy timed out on 128 episodes a batch and not on 2 (tests/actors/test_multiturn.py)
 -- the likely cause, not re-measured, of a held-out eval (twice a training batch) that read
 0.25-0.34 where the same model scored 0.93 alone (issue 9). An env step is timed inside its own
 task, so the other steps' synchronous work on the event loop is not its time either. The wall

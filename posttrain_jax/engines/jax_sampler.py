@@ -229,7 +229,7 @@ class JaxSampler:
     """The n completions of one prompt as they grow: after every `chunk_tokens` decode steps,
     the completions so far (finish_reason "" while a row still decodes); the last item is
     final, and it is what `generate([prompt], sampling, n, seed)[0]` returns -- the same
-    programs' steps, the same random stream (tests/test_jax_sampler_stream.py). Stops early
+    programs' steps, the same random stream (tests/engines/test_jax_sampler_stream.py). Stops early
     (nothing more is yielded) once `cancelled` is set. One process only."""
     if jax.process_count() > 1:
       raise NotImplementedError("JaxSampler.stream runs in one process (the proxy's)")

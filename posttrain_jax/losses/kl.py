@@ -18,7 +18,7 @@ differentiated: how GRPO implementations use them), E_y[∇k] is a different sto
     k3   ∇k3 = (1 − q/π_θ)(y) ∇log π_θ(y): E = −Σ_y q(y)∇log π_θ(y) = ∇KL(q‖π_θ), the
          *forward* KL (mass-covering), although its value estimates the reverse one.
 
-tests/test_losses_kl_gradients.py checks these by exact enumeration over a small vocabulary.
+tests/losses/test_losses_kl_gradients.py checks these by exact enumeration over a small vocabulary.
 With off-policy samples (y ~ μ ≠ π_θ) each expectation is under μ instead, unweighted.
 
 The standalone loss "kl" is `Σ_t w_t k(x_t)` with w_t from the chosen aggregation

@@ -2,7 +2,7 @@
 
 Every family is a `ModelFamily` in its own file in this package, registered with
 `@register_family`; the files are found with `pkgutil`, so adding a family is one new file
-here (plus its HF parity model in tests/hf_testing.py). `config.py` reads and writes HF
+here (plus its HF parity model in tests/support/hf.py). `config.py` reads and writes HF
 `config.json` through the family it finds here; nothing else compares family names.
 
 A family says three things:

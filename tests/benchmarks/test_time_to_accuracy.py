@@ -1,0 +1,85 @@
+"""benchmarks/time_to_accuracy.py: the report (medians over seeds, seconds to the top target, an
+unreached target as inf, the TRL side skipped without trl) on scripted runs; the TRL side itself
+on a tiny model where trl is installed (the `[compare]` extra), skipped cleanly where not."""
+import importlib.util
+import json
+import math
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _bench():
+  spec = importlib.util.spec_from_file_location("time_to_accuracy",
+                                                ROOT / "benchmarks" / "time_to_accuracy.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+# (steps, train seconds, greedy accuracy) at each eval, and the per-step seconds, per seed
+_OURS = {0: ([(0, 0.0, 0.3), (10, 5.0, 0.55), (20, 10.0, 0.72)], [2.0] + [0.4] * 19),
+         1: ([(0, 0.0, 0.3), (10, 6.0, 0.5), (20, 12.0, 0.6), (30, 18.0, 0.7)], [2.0] + [0.5] * 29),
+         2: ([(0, 0.0, 0.3), (10, 4.0, 0.45), (20, 8.0, 0.69)], [2.0] + [0.3] * 19)}  # never 0.7
+_TRL = {0: ([(0, 0.0, 0.3), (10, 9.0, 0.5), (20, 20.0, 0.7)], [1.0] * 20),
+        1: ([(0, 0.0, 0.3), (10, 10.0, 0.6), (20, 30.0, 0.71)], [1.5] * 20),
+        2: ([(0, 0.0, 0.3), (10, 11.0, 0.6), (20, 40.0, 0.75)], [2.0] * 20)}
+
+
+def _scripted(mod, table, who):
+  def run(warm, seed, args, work):
+    curve, step_s = table[seed]
+    hits = {t: next(((s, ts) for s, ts, a in curve if a >= t), None) for t in args.targets}
+    return mod._summary(who, seed, step_s, curve, hits, curve[-1][1], 1.0)
+  return run
+
+
+@pytest.mark.parametrize("with_trl", [True, False])
+def test_report_takes_medians_over_seeds(tmp_path, monkeypatch, capsys, with_trl):
+  mod = _bench()
+  monkeypatch.setattr(mod, "warm_start", lambda work, steps, lr, rounds, acc, below: (tmp_path / "warm", 0.3))
+  monkeypatch.setattr(mod, "run_ours", _scripted(mod, _OURS, "ours"))
+  monkeypatch.setattr(mod, "run_trl", _scripted(mod, _TRL, "trl"))
+  monkeypatch.setattr(mod, "trl_available", lambda: with_trl)
+  out = tmp_path / "r.json"
+  mod.main(["--seeds", "0,1,2", "--targets", "0.5,0.7", "--work", str(tmp_path),
+            "--out", str(out)])
+  lines = capsys.readouterr().out.strip().splitlines()
+  # ours to 0.7: 10, 18, inf -> median 18; s/step: medians 0.4, 0.5, 0.3 (the compile step
+  # left out) -> 0.4. TRL: 20, 30, 40 -> 30; s/step 1.0, 1.5, 2.0 -> 1.5; speedup 30 / 18
+  if with_trl:
+    assert lines[-1] == ("RESULT ours_s_to_target=18.0 trl_s_to_target=30.0 speedup=1.67 "
+                         "ours_s_per_step=0.400 trl_s_per_step=1.500")
+  else:
+    assert lines[0].startswith("TRL not installed: skipping its side")
+    assert lines[-1] == ("RESULT ours_s_to_target=18.0 trl_s_to_target=nan speedup=nan "
+                         "ours_s_per_step=0.400 trl_s_per_step=nan")
+  report = json.loads(out.read_text())
+  assert report["median"]["ours"]["s_to_target"] == {"0.5": 6.0, "0.7": 18.0}  # 5, 6, 8; 10, 18, inf
+  ours = [r for r in report["runs"] if r["who"] == "ours"]
+  assert [r["s_to_target"]["0.7"] for r in ours] == [10.0, 18.0, math.inf]
+  assert ours[0]["completions_per_s"] == pytest.approx(64 / 0.4)
+  assert len(report["runs"]) == (6 if with_trl else 3)
+  if with_trl:   # odd seeds run TRL first (neither side always gets the warmer machine)
+    assert [(r["who"], r["seed"]) for r in report["runs"]] == [
+        ("ours", 0), ("trl", 0), ("trl", 1), ("ours", 1), ("ours", 2), ("trl", 2)]
+
+
+def test_trl_side_on_a_tiny_model(tmp_path):
+  pytest.importorskip("trl", reason="the [compare] extra (trl, torch CPU) is not installed")
+  import argparse
+
+  from posttrain_jax.models.tiny import TinyModelConfig, build_tiny_model
+  mod = _bench()
+  warm = build_tiny_model(TinyModelConfig(vocab_size=320, hidden_size=32, intermediate_size=64,
+                                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                                          corpus_lines=500))
+  args = argparse.Namespace(max_steps=2, eval_every=1, lr=3e-5, targets=[0.5, 0.7], budget_s=None)
+  r = mod.run_trl(warm, 0, args, tmp_path)
+  assert r["who"] == "trl" and r["steps"] == 2
+  assert [c[0] for c in r["curve"]] == [0, 1, 2]                  # before, then every step
+  assert all(0.0 <= c[2] <= 1.0 for c in r["curve"])
+  assert [c[1] for c in r["curve"]] == sorted(c[1] for c in r["curve"])
+  assert r["s_to_target"]["0.7"] == math.inf or r["best_acc"] >= 0.7

@@ -1,0 +1,114 @@
+"""A held-out eval whose engine fails (issue R item 2): retried with rl.retry's backoff; if every
+attempt fails, reported (NaN accuracy, eval/failed = 1, a log line) and the run trains on,
+instead of a crash that loses hours of training. A bug (any other exception) still raises.
+
+The engine is the embedded sampler, registered under a test name with a switch that fails
+chosen held-out eval calls (eval generates with seed 12345; rollouts never do)."""
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from posttrain_jax.engines.base import EngineError
+from posttrain_jax.engines.jax_sampler import JaxSamplerConfig, _build as build_jax
+from posttrain_jax.engines.registry import register_engine
+from posttrain_jax.metrics import read_metrics
+from posttrain_jax.run import Trainer
+from tests.support.runs import final_weights, tiny_run
+
+EVAL_SEED = 12345
+
+
+@dataclasses.dataclass(frozen=True)
+class FlakyEvalConfig(JaxSamplerConfig):
+  fail_calls: tuple = ()            # 1-based numbers of the eval generate calls that fail
+  error: str = "engine"             # engine: EngineError; bug: ValueError
+
+
+class FlakyEval:
+  def __init__(self, inner, cfg: FlakyEvalConfig):
+    self.inner, self.cfg, self.eval_calls = inner, cfg, 0
+
+  def generate(self, prompts, params, n=1, seed=0):
+    if seed == EVAL_SEED:
+      self.eval_calls += 1
+      if self.eval_calls in self.cfg.fail_calls:
+        if self.cfg.error == "bug":
+          raise ValueError("a bug in our code")
+        raise EngineError(f"engine down (eval call {self.eval_calls})")
+    return self.inner.generate(prompts, params, n=n, seed=seed)
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+
+@register_engine("flaky_eval_test", FlakyEvalConfig, shareable=False)
+def _build(cfg, ctx):
+  return FlakyEval(build_jax(cfg, ctx), cfg)
+
+
+def _run(workdir, fail_calls, max_retries, error="engine"):
+  log = []
+  cfg = tiny_run(workdir, rl={
+      "steps": 4, "prompts_per_step": 2, "engine": "flaky_eval_test",
+      "engine_config": {"fail_calls": list(fail_calls), "error": error},
+      "retry": {"backoff_s": 0.0, "max_retries": max_retries},
+      "rollout": {"group_size": 4, "max_tokens": 4},
+      "learner": {"loss": "grpo", "optimizer": {"learning_rate": 1e-3}},
+      "batch": {"rows": 8, "seq_len": 32, "max_seqs": 8, "pack": False}})
+  trainer = Trainer(cfg, log=log.append)
+  result = trainer.run()
+  result = result and {**result, "eval_calls": trainer.engine.eval_calls}
+  evals = {r["step"]: r for r in read_metrics(workdir / "metrics.jsonl")
+           if any(k.startswith("eval/accuracy") for k in r)}
+  return result, evals, log
+
+
+def _same_weights(workdir, clean_dir):
+  a, b = final_weights(workdir / "final_model"), final_weights(clean_dir / "final_model")
+  assert a.keys() == b.keys()
+  for name in a:
+    np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+  d = tmp_path_factory.mktemp("clean")
+  return (*_run(d, (), 3), d)
+
+
+def test_a_failing_eval_is_retried_and_gives_the_same_accuracy(tmp_path, clean):
+  # eval calls: 1 = before RL, 2 = after RL step 2 (fails), 3 = its retry (fails), 4 = it again
+  result, evals, log = _run(tmp_path, fail_calls=(2, 3), max_retries=3)
+  _, clean_evals, _, _ = clean
+  assert sorted(evals) == sorted(clean_evals) and len(evals) == 3
+  mid = sorted(evals)[1]
+  assert evals[mid]["eval/retries"] == 2 and "eval/failed" not in evals[mid]
+  assert evals[mid]["eval/accuracy"] == clean_evals[mid]["eval/accuracy"]
+  assert result["eval_calls"] == clean[0]["eval_calls"] + 2 == 5
+  _same_weights(tmp_path, clean[3])
+  assert sum("held-out eval attempt" in line for line in log) == 2
+
+
+@pytest.mark.slow  # > 30 s: CI's slow stage
+def test_an_eval_that_keeps_failing_is_reported_and_the_run_goes_on(tmp_path, clean):
+  result, evals, log = _run(tmp_path, fail_calls=(2, 3), max_retries=1)
+  mid = sorted(evals)[1]
+  assert evals[mid]["eval/failed"] == 1 and evals[mid]["eval/retries"] == 2
+  acc = evals[mid]["eval/accuracy"]
+  assert acc is None or math.isnan(acc)  # NaN is written as null
+  assert any("held-out eval FAILED after 2 attempt(s)" in line and "engine down" in line
+             for line in log)
+  # training was not touched by the failed eval: same final weights as the clean run, and the
+  # final eval ran (call 4)
+  assert result is not None and result["eval_calls"] == 4
+  assert not math.isnan(result["heldout_after"])
+  _same_weights(tmp_path, clean[3])
+  steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "reward/mean" in r]
+  assert len(steps) == 4
+
+
+def test_a_bug_in_eval_still_raises(tmp_path):
+  with pytest.raises(ValueError, match="a bug in our code"):
+    _run(tmp_path, fail_calls=(1,), max_retries=3, error="bug")

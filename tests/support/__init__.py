@@ -1,0 +1,1 @@
+"""Shared test helpers and fixtures (tests never import each other's test modules)."""
