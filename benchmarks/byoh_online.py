@@ -15,16 +15,22 @@ the harness never sees), the harness's own success per policy version, calls mad
 once it was stopping are counted apart), swaps, the staleness
 of what was trained. Ends with
 `RESULT heldout_before=… heldout_after=… calls=… failed=… swaps=… success_first=… success_last=…`.
+
+    python benchmarks/byoh_online.py --out FILE.json [--workdir DIR] [--steps 120] [--smoke]
+
+`--smoke`: 2 SFT and 2 online steps of 2 sessions, 1 client, 16 held-out tasks, in a fresh
+temporary --workdir unless one is given (seconds, for CI).
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import importlib.util
-import json
 import pathlib
 import shutil
 import socket
+import sys
+import tempfile
 import threading
 import time
 
@@ -32,6 +38,10 @@ import httpx
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from benchmarks._meta import run_info, write_result  # noqa: E402
 
 
 def _free_port() -> int:
@@ -57,6 +67,9 @@ def _config(args, port: int):
   c.rl.batch.update(rows=args.sessions_per_step, max_seqs=args.sessions_per_step)
   c.eval.update(every_steps=max(args.steps // 4, 1))
   c.checkpoint.update(every_steps=10_000)
+  if getattr(args, "smoke", False):
+    c.tasks.update(eval_size=16)
+    c.eval.update(samples_per_prompt=1)
   from posttrain_jax.run_config import run_config_from_dict
   return run_config_from_dict(c.to_dict())
 
@@ -121,7 +134,8 @@ class Harness:
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", required=True, help="the JSON summary")
-  p.add_argument("--workdir", type=pathlib.Path, default=pathlib.Path("runs/byoh_online"))
+  p.add_argument("--workdir", type=pathlib.Path, default=None,
+                 help="emptied first (default: runs/byoh_online; --smoke: a fresh temporary one)")
   p.add_argument("--sft_steps", type=int, default=350)
   p.add_argument("--steps", type=int, default=120, help="online RL steps")
   p.add_argument("--sessions_per_step", type=int, default=64)
@@ -129,7 +143,15 @@ def main():
   p.add_argument("--lr", type=float, default=1e-4)
   p.add_argument("--max_staleness", type=int, default=4,
                  help="sessions sampled more versions ago are not trained (counted); -1 = all")
+  p.add_argument("--smoke", action="store_true",
+                 help="2 SFT + 2 online steps of 2 sessions, 1 client (seconds, for CI)")
   args = p.parse_args()
+  info = run_info(smoke=args.smoke)
+  if args.smoke:
+    args.sft_steps, args.steps, args.sessions_per_step, args.clients = 2, 2, 2, 1
+  if args.workdir is None:
+    args.workdir = (pathlib.Path(tempfile.mkdtemp(prefix="byoh_online_smoke_")) if args.smoke
+                    else pathlib.Path("runs/byoh_online"))
   if args.workdir.exists():
     shutil.rmtree(args.workdir)
   port = _free_port()
@@ -200,7 +222,7 @@ def main():
                             "p99": float(np.percentile(lat, 99))},
              "staleness_p50": stale, "sessions_trained": trained,
              "sessions_dropped_stale": dropped, "minutes": minutes}
-  pathlib.Path(args.out).write_text(json.dumps(summary, indent=1))
+  write_result(args.out, info, summary)
   print(f"RESULT heldout_before={hb:.3f} heldout_after={ha:.3f} calls={len(during)} "
         f"failed={len(failed)} swaps={len(rows)} success_first={first:.3f} "
         f"success_last={last:.3f}")

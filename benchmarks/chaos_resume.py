@@ -2,7 +2,7 @@
 
     python benchmarks/chaos_resume.py [--trials 20] [--seed 0] [--out chaos.json] [--workdir DIR]
 
-Each trial starts `python launch/train.py` (tests/chaos_testing.py: the tiny model, SFT 4 steps
+Each trial starts `python launch/train.py` (tests/support/chaos.py: the tiny model, SFT 4 steps
 then GRPO 6 steps, a checkpoint every 2 steps), SIGKILLs it, and reruns the same command to the
 end. The kill points cycle through: a random time (seeded: a random 0-1.5 s after metrics.jsonl
 shows a random step 0..9 -- 0: the start; in a rerun, once it rewrote the file -- so it lands
@@ -31,7 +31,6 @@ failed=… lost=… duplicated=… sync_params_bitwise_equal=<equal>/<sync trial
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import random
@@ -45,7 +44,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from tests import chaos_testing as ct  # noqa: E402
+from benchmarks._meta import run_info, write_result  # noqa: E402
+from tests.support import chaos as ct  # noqa: E402
 
 B, T = ct.SFT_STEPS, ct.TOTAL_STEPS   # the boundary step, the last step
 # (name, flags, crash point or None for a random time); save:<step> steps are checkpoint steps
@@ -142,6 +142,7 @@ def main() -> None:
   args = ap.parse_args()
   if args.smoke:
     args.trials = 2
+  record = run_info(smoke=args.smoke)
   root = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="chaos_"))
   root.mkdir(parents=True, exist_ok=True)
   rng = random.Random(args.seed)
@@ -177,8 +178,7 @@ def main() -> None:
              # of the sync trials killed mid-run: final params bit-identical to the straight run
              "sync_params_bitwise_equal": f"{sum(r.get('params_equal', False) for r in sync)}"
                                           f"/{len(sync)}"}
-  if args.out:
-    pathlib.Path(args.out).write_text(json.dumps({"summary": summary, "trials": rows}, indent=1))
+  write_result(args.out, record, {"summary": summary, "trials": rows})
   if not args.workdir:
     shutil.rmtree(root, ignore_errors=True)
   print("RESULT " + " ".join(f"{k}={v}" for k, v in summary.items()))

@@ -33,6 +33,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
+from benchmarks._meta import run_info, write_result  # noqa: E402
+
 
 def curve(rows: list[dict], metric: str, sft_steps: int) -> dict:
   """The figures of one finished run's metrics rows (see the module docstring)."""
@@ -65,6 +67,7 @@ def main(argv=None):
   p.add_argument("--workdir", default=None, help="the run's workdir (default: a fresh temp dir)")
   p.add_argument("--smoke", action="store_true", help="a few steps of each phase (CI)")
   args = p.parse_args(argv)
+  record = run_info(smoke=args.smoke)
 
   from configs.default import get_config
   sft_steps = 20 if args.smoke else get_config().sft.steps
@@ -99,7 +102,7 @@ def main(argv=None):
              "heldout_before": start,
              "heldout_reached": max(pt["heldout"] for pt in c["points"]),
              "stopped": result.get("stopped")}
-  pathlib.Path(args.out).write_text(json.dumps(summary, indent=1))
+  write_result(args.out, record, summary)
   print(f"RESULT target={target:.3f} rl_s_to_target={summary['rl_s_to_target']:.1f} "
         f"sft_s={c['sft_s']:.1f} "
         f"rl_s_per_step={c['rl_s_per_step']:.3f} heldout_before={summary['heldout_before']:.3f} "

@@ -22,8 +22,11 @@ greedy) before and after, curves for both (plot), and forgetting: KL(π‖π_sta
 prompts (stated rules), estimated on π's own samples as the mean over prompts of
 Σ_t log π(y_t) − log π_start(y_t) (k1, unbiased) and the per-token k3 mean.
 
-    python benchmarks/feedback_learning.py --out runs/feedback.json
+    python benchmarks/feedback_learning.py --out runs/feedback.json [--workdir DIR] [--smoke]
 ends with `RESULT sd_before=… sd_after=… pg_before=… pg_after=…` (greedy held-out accuracy).
+`--smoke`: 2 SFT steps, then 2 RL steps of 4 prompts per method (held-out evals before and
+after), 16 held-out tasks and 8 KL prompts, in a fresh temporary --workdir unless one is given
+(seconds, for CI).
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ import dataclasses
 import json
 import pathlib
 import shutil
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -47,6 +52,12 @@ from posttrain_jax.metrics import read_metrics
 from posttrain_jax.models import hf_io
 from posttrain_jax.run import Trainer
 from posttrain_jax.run_config import run_config_from_dict
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from benchmarks._meta import run_info, write_result  # noqa: E402
 
 TINY = dict(family="qwen3", vocab_size=512, hidden_size=128, intermediate_size=384,
             num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, seed=0)
@@ -158,7 +169,8 @@ def plot(runs: dict[str, list[dict]], png: pathlib.Path) -> None:
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--out", required=True, help="results JSON")
-  ap.add_argument("--workdir", default="runs/feedback_learning")
+  ap.add_argument("--workdir", default=None,
+                  help="default: runs/feedback_learning; --smoke: a fresh temporary one")
   ap.add_argument("--sft_steps", type=int, default=800)
   ap.add_argument("--steps", type=int, default=40)
   ap.add_argument("--prompts", type=int, default=32, help="single trajectories per step")
@@ -168,29 +180,42 @@ def main():
   ap.add_argument("--eval_every", type=int, default=5)
   ap.add_argument("--methods", default="sd,pg")
   ap.add_argument("--reuse", action="store_true", help="keep finished phases in --workdir")
+  ap.add_argument("--smoke", action="store_true",
+                  help="2 SFT steps, 2 RL steps of 4 prompts per method (seconds, for CI)")
   args = ap.parse_args()
+  info = run_info(smoke=args.smoke)
+  if args.smoke:
+    args.sft_steps, args.steps, args.prompts, args.eval_every = 2, 2, 4, 2
+  if args.workdir is None:
+    args.workdir = (tempfile.mkdtemp(prefix="feedback_learning_smoke_") if args.smoke
+                    else "runs/feedback_learning")
+
+  def sized(cfg: dict) -> dict:   # --smoke: 16 held-out tasks
+    if args.smoke:
+      cfg["tasks"]["eval_size"] = 16
+    return cfg
   root = pathlib.Path(args.workdir)
   sft_dir = root / "sft"
   t0 = time.time()
   if not (args.reuse and (sft_dir / "sft_model" / "config.json").exists()):
     shutil.rmtree(sft_dir, ignore_errors=True)
-    Trainer(run_config_from_dict(sft_config(sft_dir, args.sft_steps))).run()
+    Trainer(run_config_from_dict(sized(sft_config(sft_dir, args.sft_steps)))).run()
   start = sft_dir / "sft_model"
   results, runs = {}, {}
   for method in args.methods.split(","):
     wd = root / method
     if not (args.reuse and (wd / "final_model" / "config.json").exists()):
       shutil.rmtree(wd, ignore_errors=True)
-      Trainer(run_config_from_dict(rl_config(wd, start, method, args.steps, args.lr,
-                                             args.prompts, args.eval_every,
-                                             args.teacher))).run()
+      Trainer(run_config_from_dict(sized(rl_config(wd, start, method, args.steps, args.lr,
+                                                   args.prompts, args.eval_every,
+                                                   args.teacher)))).run()
     rows = curve(wd)
     runs[method] = rows
     results[method] = {"before": rows[0]["eval/accuracy_greedy"],
                        "after": rows[-1]["eval/accuracy_greedy"],
                        "before_sampled": rows[0]["eval/accuracy"],
                        "after_sampled": rows[-1]["eval/accuracy"],
-                       **kl_to_start(wd / "final_model", start)}
+                       **kl_to_start(wd / "final_model", start, n=8 if args.smoke else 96)}
   plot(runs, root / "feedback_learning.png")
   print(f"\n{'method':<6} {'before':>7} {'after':>7} {'before(T=1)':>12} {'after(T=1)':>11} "
         f"{'KL k1/seq':>10} {'KL k3/tok':>10}")
@@ -199,8 +224,7 @@ def main():
           f"{r['after_sampled']:>11.3f} {r['kl_seq_k1']:>10.4f} {r['kl_token_k3']:>10.5f}")
   out = {"results": results, "curves": runs, "args": vars(args), "seconds": time.time() - t0,
          "plot": str(root / "feedback_learning.png")}
-  pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  pathlib.Path(args.out).write_text(json.dumps(out, indent=1, default=float))
+  write_result(args.out, info, json.loads(json.dumps(out, default=float)))
   line = " ".join(f"{m}_{k}={results[m][k]:.3f}" for m in results for k in ("before", "after"))
   print(f"RESULT {line}")
 

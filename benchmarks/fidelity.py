@@ -42,6 +42,11 @@ only dodges faults from a gain.
 One PNG per case (naive vs default over RL steps). Ends with one RESULT line.
 
     python benchmarks/fidelity.py --out fidelity.json [--workdir DIR] [--base DIR] [--steps 32]
+                                  [--smoke]
+
+`--smoke` (CI): both cases at the smallest size that runs every part (2 base SFT steps of 2
+sequences, 2 case SFT steps, 2 GRPO steps of 2 prompts × 2 episodes, 2 held-out tasks), so the
+code path cannot rot unseen; its figures mean nothing.
 
 Measured on the 2-core dev box, 2026-12-04, one invocation (`--out fidelity.json --workdir W`,
 W/base made first by the same base_config: 6.8 min), 57 min for the rest: infra SFT 8.1 min,
@@ -105,6 +110,10 @@ import pathlib
 import shutil
 import time
 
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks._meta import run_info, write_result  # noqa: E402
 from posttrain_jax.audit import audit, change_ratio, summarize
 from posttrain_jax.metrics import read_metrics
 from posttrain_jax.run import Trainer
@@ -133,7 +142,10 @@ CASES = {  # case -> environment, its config, budgets, naive / default settings,
 }
 
 
-def base_config(workdir: pathlib.Path, sft_steps: int):
+SMOKE = {"prompts_per_step": 2, "group_size": 2, "rows": 4, "sft_batch": 2, "eval_size": 2}
+
+
+def base_config(workdir: pathlib.Path, sft_steps: int, smoke: bool = False):
   """configs/tool_math.py's SFT, stopped after it: the warm start every case starts from."""
   spec = importlib.util.spec_from_file_location(
       "tool_math_config", pathlib.Path(__file__).parent.parent / "configs" / "tool_math.py")
@@ -142,15 +154,20 @@ def base_config(workdir: pathlib.Path, sft_steps: int):
   c = mod.get_config()
   c.workdir, c.sft.steps, c.stop_after_step = str(workdir), sft_steps, sft_steps
   c.sft.learner.optimizer.decay_steps = sft_steps
+  if smoke:
+    c.sft.batch_size = SMOKE["sft_batch"]
+    c.sft.batch.update(rows=SMOKE["sft_batch"], max_seqs=SMOKE["sft_batch"])
+    c.sft.learner.optimizer.warmup_steps = 0
+    c.tasks.eval_size = SMOKE["eval_size"]
   return run_config_from_dict(c.to_dict())
 
 
 def run_config(workdir: pathlib.Path, base: pathlib.Path, case: str, naive: bool, steps: int,
-               sft_steps: int, lr: float):
+               sft_steps: int, lr: float, smoke: bool = False):
   """SFT on the case's demonstrations from the base model, then GRPO over its episodes."""
   c = CASES[case]
   seq = c["seq_len"]  # tokens per training row: the prompt (~180) and the longest path
-  return run_config_from_dict({
+  d = {
       "workdir": str(workdir), "seed": 0,
       "model": {"path": str(base / "sft_model")},
       "tasks": {"source": "synthetic", "generator": "tool_math", "seed": 0,
@@ -173,7 +190,18 @@ def run_config(workdir: pathlib.Path, base: pathlib.Path, case: str, naive: bool
       "eval": {"every_steps": 8, "samples_per_prompt": 2, "temperature": c["temperature"],
                "greedy": False},
       "checkpoint": {"every_steps": 1000, "max_to_keep": 1},
-  })
+  }
+  if smoke:
+    rl, sft = d["rl"], d["sft"]
+    rl.update(prompts_per_step=SMOKE["prompts_per_step"])
+    rl["rollout"]["group_size"] = SMOKE["group_size"]
+    rl["batch"].update(rows=SMOKE["rows"], max_seqs=SMOKE["rows"])
+    sft.update(batch_size=SMOKE["sft_batch"])
+    sft["batch"].update(rows=SMOKE["sft_batch"], max_seqs=SMOKE["sft_batch"])
+    sft["learner"]["optimizer"]["warmup_steps"] = 0
+    d["tasks"]["eval_size"] = SMOKE["eval_size"]
+    d["eval"].update(every_steps=1, samples_per_prompt=1)
+  return run_config_from_dict(d)
 
 
 class _CountDropped:
@@ -280,10 +308,15 @@ def main():
                  "to start from, instead of training one in WORKDIR/base")
   p.add_argument("--lr", type=float, default=None, help="GRPO learning rate (default: the case's)")
   p.add_argument("--cases", default="infra,timeout", help="comma-separated subset of cases")
+  p.add_argument("--smoke", action="store_true",
+                 help="every part at the smallest size (seconds per run; CI): see the docstring")
   p.add_argument("--reuse", action="store_true",
                  help="read runs that already finished in WORKDIR (result.json) and start new ones "
                  "from WORKDIR/<case>_sft if it holds an SFT model, instead of rerunning them")
   args = p.parse_args()
+  if args.smoke:
+    args.base_sft_steps, args.sft_steps, args.steps = 2, 2, 2
+  record = run_info(smoke=args.smoke)
 
   root = pathlib.Path(args.workdir)
   summary = {"args": vars(args), "runs": {}, "plots": {}}
@@ -293,7 +326,7 @@ def main():
   base = pathlib.Path(args.base) if args.base else root / "base"
   if not (base / "sft_model").is_dir():  # the warm start: tool_math's SFT (it copies digits)
     t0 = time.perf_counter()
-    _Trainer(base_config(base, args.base_sft_steps), log=lambda *_: None).run()
+    _Trainer(base_config(base, args.base_sft_steps, args.smoke), log=lambda *_: None).run()
     summary["runs"]["base_sft"] = {"minutes": (time.perf_counter() - t0) / 60}
   for case in args.cases.split(","):
     key = CASES[case]["key"]
@@ -308,7 +341,7 @@ def main():
         shutil.rmtree(sft_wd)
       t0 = time.perf_counter()
       sft_cfg = dataclasses.replace(run_config(sft_wd, base, case, True, args.steps,
-                                               args.sft_steps, args.lr),
+                                               args.sft_steps, args.lr, args.smoke),
                                     stop_after_step=args.sft_steps)
       _Trainer(sft_cfg, log=lambda *_: None).run()
       summary["runs"][f"{case}_sft"] = {"minutes": (time.perf_counter() - t0) / 60}
@@ -322,7 +355,7 @@ def main():
         shutil.copytree(sft_wd, wd)
         t0 = time.perf_counter()
         result = _Trainer(run_config(wd, base, case, mode == "naive", args.steps, args.sft_steps,
-                                     args.lr), log=lambda *_: None).run()
+                                     args.lr, args.smoke), log=lambda *_: None).run()
         result["rl_minutes"] = (time.perf_counter() - t0) / 60  # GRPO (and its evals) only
         (wd / "result.json").write_text(json.dumps(result, indent=1))
       minutes = result["rl_minutes"]
@@ -360,7 +393,7 @@ def main():
   summary["flagged"] = {"naive": flagged["naive"], "default": flagged["default"],
                         "naive_if_dropped_logged": flagged_visible["naive"],
                         "default_if_dropped_logged": flagged_visible["default"]}
-  pathlib.Path(args.out).write_text(json.dumps(summary, indent=1, default=str))
+  write_result(args.out, record, summary)
   print(f"flagged if dropped timeouts were logged: naive={flagged_visible['naive']} "
         f"default={flagged_visible['default']}")
   print(f"RESULT naive_len_change={get('infra_naive'):.3f} "

@@ -1,20 +1,19 @@
 """Fuzzed inputs at every edge that reads the outside world, with >= 10k cases in all.
 
-    python benchmarks/fuzz_inputs.py [--out fuzz.json] [--trace 2000 --request 4000 ...]
+    python benchmarks/fuzz_inputs.py [--out fuzz.json] [--trace 2000 --request 4000 ...] [--smoke]
 
-The properties are tests/fuzz_testing.py's (the ones tests/test_fuzz_inputs.py runs with CI
+The properties are tests/support/fuzz.py's (the ones tests/test_fuzz_inputs.py runs with CI
 budgets): trace JSONL import, proxy request bodies (parsed directly, and POSTed to a real
 uvicorn proxy), task files, config overrides, HF config.json. Each case is either accepted
 (ok), refused with the project's clear error naming the field / line (rejected), or breaks
 the contract (a defect: another exception type, a 5xx, a wrong line, a record lost or
 half-written). Prints a table, writes per-edge counts and the first defects to `--out`, and
-ends with `RESULT cases=<n> defects=<n>`.
+ends with `RESULT cases=<n> defects=<n>`. `--smoke`: a handful of cases per edge (seconds, for CI).
 """
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import pathlib
 import sys
@@ -28,11 +27,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 
-from tests import fuzz_testing as fz  # noqa: E402
+from benchmarks._meta import run_info, write_result  # noqa: E402
+from tests.support import fuzz as fz  # noqa: E402
 
 EDGES = ("trace", "request", "http", "tasks", "overrides", "hf_config")
 DEFAULTS = {"trace": 2000, "request": 4000, "http": 300, "tasks": 1500, "overrides": 1500,
             "hf_config": 1500}
+SMOKE = {"trace": 10, "request": 10, "http": 5, "tasks": 10, "overrides": 10, "hf_config": 10}
 
 
 def run_edge(strategy, check, n: int, rng_seed: int) -> dict:
@@ -68,8 +69,8 @@ def _edges(tmp: pathlib.Path, counts: dict, rng_seed: int):
     yield "request", run_edge(fz.request_body(), fz.check_request, counts["request"], rng_seed)
   if counts["http"]:
     import httpx
-    from tests import byoh_testing as bt
-    from tests import envs_testing as et
+    from tests.support import byoh as bt
+    from tests.support import envs as et
     tok = et.tokenizer("hermes")
     engine = et.ScriptedEngine(tok, lambda _, k: "ok", et.stop_ids(tok, "hermes")[0])
     with bt.running(engine, tmp / "http.db") as (url, proxy), \
@@ -94,8 +95,11 @@ def main(argv=None) -> int:
   p.add_argument("--seed", type=int, default=0, help="hypothesis seed (runs are reproducible)")
   for edge in EDGES:
     p.add_argument(f"--{edge}", type=int, default=DEFAULTS[edge], help=f"cases for {edge}")
+  p.add_argument("--smoke", action="store_true",
+                 help=f"a handful of cases per edge, {SMOKE} (seconds, for CI)")
   args = p.parse_args(argv)
-  counts = {e: getattr(args, e) for e in EDGES}
+  info = run_info(smoke=args.smoke)
+  counts = SMOKE if args.smoke else {e: getattr(args, e) for e in EDGES}
   results = {}
   print(f"{'edge':<10} {'cases':>7} {'ok':>7} {'rejected':>9} {'defects':>8} {'seconds':>8}")
   with tempfile.TemporaryDirectory() as tmp:
@@ -111,8 +115,8 @@ def main(argv=None) -> int:
   cases = sum(r["cases"] for r in results.values())
   defects = sum(r["defects"] for r in results.values())
   if args.out:
-    pathlib.Path(args.out).write_text(json.dumps(
-        {"cases": cases, "defects": defects, "seed": args.seed, "edges": results}, indent=1))
+    write_result(args.out, info, {"cases": cases, "defects": defects, "seed": args.seed,
+                                  "edges": results})
   print(f"RESULT cases={cases} defects={defects}")
   return 0
 

@@ -12,13 +12,16 @@ about where 0.5-8B models sit). `--hidden 512 --vocab 32768` gives a head-heavy 
 Model FLOPs per token = 6 * (non-embedding matmul params + LM head) + 12 * layers * T * d_attn
 (forward + backward; the attention term counts QK^T and PV). fraction = achieved / peak.
 
-    python benchmarks/learner_throughput.py --out /tmp/learner.json
-ends with `RESULT tokens_per_s=... peak_fraction=...`.
+    python benchmarks/learner_throughput.py --out /tmp/learner.json [--smoke]
+ends with `RESULT tokens_per_s=... peak_fraction=...`. `--smoke`: the same steps at the smallest
+size (d=64, 1 layer, vocab 256, 2 x 32 tokens, a 512^2 matmul peak, 1 repeat): seconds, for CI;
+its figures are not headline figures.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import pathlib
+import sys
 import time
 
 import jax
@@ -32,6 +35,11 @@ from posttrain_jax import learner as L
 from posttrain_jax.models import hf_io
 from posttrain_jax.models.config import ModelConfig
 from posttrain_jax.types import Trajectory
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+from benchmarks._meta import run_info, write_result  # noqa: E402
 
 
 def _best(fn, *args, repeats=5):
@@ -112,7 +120,15 @@ def main():
                   help="LearnerConfig.micro_batches (must divide --batch); the layout on a "
                        "sharded mesh is compared in benchmarks/micro_batch_layout.py")
   ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--smoke", action="store_true",
+                  help="the smallest size (d=64, 1 layer, vocab 256, 2 x 32 tokens, 512^2 peak "
+                       "matmul, 1 repeat): seconds, for CI")
   args = ap.parse_args()
+  info = run_info(smoke=args.smoke)
+  peak_n = 4096
+  if args.smoke:
+    args.seq_len, args.hidden, args.layers, args.vocab, args.repeats = 32, 64, 1, 256, 1
+    args.batch, peak_n = max(2, args.micro_batches), 512
 
   cfg = ModelConfig(family="llama", vocab_size=args.vocab, hidden_size=args.hidden,
                     intermediate_size=3 * args.hidden, num_layers=args.layers,
@@ -127,7 +143,7 @@ def main():
   batch = batching.build_batch(trajs, rng.normal(size=b).tolist(),
                                batching.BatchConfig(rows=b, seq_len=t, max_seqs=b, pack=False))
 
-  peak = matmul_peak()
+  peak = matmul_peak(peak_n)
   lcfg = L.LearnerConfig(loss=args.loss, micro_batches=args.micro_batches)
   learner = L.Learner(hf_io.init_model(cfg, 0), lcfg)
   put = learner.put_batch(batch)
@@ -140,7 +156,8 @@ def main():
   l_best, l_med = _best(lambda: run_learner(), repeats=args.repeats)
   p_fn = plain_train_step(cfg, b, t)
   p_best, p_med = _best(lambda: p_fn()[2], repeats=args.repeats)
-  peak = max(peak, matmul_peak())  # measured before and after: a noisy neighbour only lowers it
+  # measured before and after: a noisy neighbour only lowers it
+  peak = max(peak, matmul_peak(peak_n))
 
   tokens = b * t
   flops = model_flops_per_token(cfg, t) * tokens
@@ -151,7 +168,8 @@ def main():
                     "flops_per_s": flops / p_best, "peak_fraction": flops / p_best / peak},
   }
   print(f"model: {cfg.num_params() / 1e6:.1f}M params, batch {b} x {t} tokens, loss {args.loss}; "
-        f"{args.micro_batches} micro-batch(es); matmul peak {peak / 1e9:.1f} GFLOP/s (4096^2 fp32)")
+        f"{args.micro_batches} micro-batch(es); matmul peak {peak / 1e9:.1f} GFLOP/s "
+        f"({peak_n}^2 fp32)")
   print(f"{'':<10} {'step s':>8} {'tokens/s':>10} {'GFLOP/s':>9} {'of peak':>8}")
   for name, r in rows.items():
     print(f"{name:<10} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} "
@@ -159,8 +177,7 @@ def main():
   print(f"learner / plain time ratio: {l_best / p_best:.2f}")
   out = {"params": cfg.num_params(), "batch": b, "seq_len": t, "loss": args.loss,
          "micro_batches": args.micro_batches, "matmul_peak_flops": peak, **rows}
-  with open(args.out, "w") as f:
-    json.dump(out, f, indent=1)
+  write_result(args.out, info, out)
   r = rows["learner"]
   print(f"RESULT tokens_per_s={r['tokens_per_s']:.1f} peak_fraction={r['peak_fraction']:.3f}")
 

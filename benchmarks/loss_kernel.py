@@ -26,14 +26,17 @@ vocabulary tiles, never [N, V]). Ends with one line:
 
 Usage: python benchmarks/loss_kernel.py [--sizes full|small|N:D[,N:D...]] [--vocab V]
        [--no-time] [--repeats R] [--warmup W] [--dtype float32|bfloat16] [--out FILE.json]
+       [--smoke]
 The full size needs ~18 GB of RAM for the materialised step (5 GB of logits, a same-sized
-gradient and W / dW at D = 2048).
+gradient and W / dW at D = 2048). `--smoke`: every path at one tiny size (N=128, D=64,
+V=10,000: two vocabulary tiles of the chunked kernels, the second partial), 1 repeat, no
+warm-up: seconds, for CI; its ratios are not headline figures.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import pathlib
 import platform
 import resource
 import sys
@@ -45,6 +48,11 @@ import numpy as np
 
 from posttrain_jax.kernels import fused_logprob_loss, lm_head, token_logprobs
 from posttrain_jax.kernels import teacher as teacher_kernels
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+from benchmarks._meta import run_info, write_result  # noqa: E402
 
 FULL = [(2048, 1024), (2048, 2048), (8192, 1024), (8192, 2048)]
 SMALL = [(256, 128), (512, 256)]
@@ -125,7 +133,12 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument("--warmup", type=int, default=0)
   ap.add_argument("--out", default=None, help="write rows + metadata as JSON")
+  ap.add_argument("--smoke", action="store_true",
+                  help="every path at N=128, D=64, V=10,000, 1 repeat: seconds, for CI")
   args = ap.parse_args(argv)
+  info = run_info(smoke=args.smoke)
+  if args.smoke:
+    args.sizes, args.vocab, args.repeats, args.warmup = "128:64", 10_000, 1, 0
 
   sizes = parse_sizes(args.sizes)
   dtype = jnp.dtype(args.dtype)
@@ -210,10 +223,9 @@ def main(argv=None):
     print(f"{row['n']:>6} {row['d']:>5} {row['path']:>16} {row['temp_bytes'] / 1e9:>8.3f} "
           f"{row['total_bytes'] / 1e9:>9.3f} {'':>8} {row['temp_ratio_vs_materialised']:>8.1f}")
   if args.out:
-    with open(args.out, "w") as fh:
-      json.dump(dict(meta=meta, rows=rows, result=dict(
-          n=mat["n"], d=mat["d"], memory_ratio=mem_ratio, time_ratio=time_ratio,
-          jsd_memory_ratio=jsd_ratio)), fh, indent=1)
+    write_result(args.out, info, dict(meta=meta, rows=rows, result=dict(
+        n=mat["n"], d=mat["d"], memory_ratio=mem_ratio, time_ratio=time_ratio,
+        jsd_memory_ratio=jsd_ratio)))
   print(f"# max RSS {meta['max_rss_gb']:.1f} GB, load {meta['loadavg_start']} -> {meta['loadavg_end']}")
   print(f"RESULT memory_ratio={mem_ratio:.1f} time_ratio={time_ratio:.2f} "
         f"jsd_memory_ratio={jsd_ratio:.1f}")

@@ -9,15 +9,19 @@ machines are noisy); the contiguous one is `split_micro_batches` with the old re
 in while its step is traced. Also reported: all-gathers in each compiled step, and the loss
 (equal: the layouts only reorder rows).
 
-    python benchmarks/micro_batch_layout.py --out /tmp/micro.json
-ends with `RESULT contiguous_step_s=... interleaved_step_s=... speedup=...`.
+    python benchmarks/micro_batch_layout.py --out /tmp/micro.json [--smoke]
+ends with `RESULT contiguous_step_s=... interleaved_step_s=... speedup=...`. `--smoke`: the same
+two learners on the same 8-device mesh at the smallest size (16 rows x 32 tokens in 2
+micro-batches: one row per device per micro-batch; d=64, 1 layer, vocab 256; 1 repeat):
+seconds, for CI; its figures are not headline figures.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
+import pathlib
+import sys
 import time
 from unittest import mock
 
@@ -33,6 +37,11 @@ from posttrain_jax import learner as L  # noqa: E402
 from posttrain_jax.models import hf_io  # noqa: E402
 from posttrain_jax.models.config import ModelConfig  # noqa: E402
 from posttrain_jax.types import TrainBatch, Trajectory  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+from benchmarks._meta import run_info, write_result  # noqa: E402
 
 _interleaved = L.split_micro_batches
 
@@ -63,7 +72,14 @@ def main():
   ap.add_argument("--vocab", type=int, default=4096)
   ap.add_argument("--loss", default="sft", help="a registered loss (sft, grpo, ...)")
   ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--smoke", action="store_true",
+                  help="16 rows x 32 tokens in 2 micro-batches, d=64, 1 layer, vocab 256, "
+                       "1 repeat: seconds, for CI")
   args = ap.parse_args()
+  info = run_info(smoke=args.smoke)
+  if args.smoke:
+    args.rows, args.seq_len, args.micro_batches = 16, 32, 2
+    args.hidden, args.layers, args.vocab, args.repeats = 64, 1, 256, 1
 
   mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=-1))
   cfg = ModelConfig(family="llama", vocab_size=args.vocab, hidden_size=args.hidden,
@@ -110,9 +126,8 @@ def main():
     print(f"{name:<12} {r['step_s']:>8.3f} {r['step_s_median']:>9.3f} {r['all_gathers']:>12d} "
           f"{r['first_loss']:>11.5f}")
   c, i = rows["contiguous"]["step_s"], rows["interleaved"]["step_s"]
-  with open(args.out, "w") as f:
-    json.dump({"rows": b, "seq_len": t, "micro_batches": m, "mesh": dict(mesh.shape),
-               "params": cfg.num_params(), **rows}, f, indent=1)
+  write_result(args.out, info, {"rows": b, "seq_len": t, "micro_batches": m,
+                                "mesh": dict(mesh.shape), "params": cfg.num_params(), **rows})
   print(f"RESULT contiguous_step_s={c:.3f} interleaved_step_s={i:.3f} speedup={c / i:.2f}")
 
 

@@ -10,12 +10,15 @@ difference, reported at p50 / p99, beside the cost of a bare HTTP round trip to 
 (GET /health), the part any server in front of an engine costs. Then `--concurrency` client threads call the proxy at once
 (each its own session) for sustained calls/s. Ends with
 `RESULT p50_overhead_ms=… p99_overhead_ms=… calls_per_s=…`.
+
+    python benchmarks/proxy_overhead.py --out FILE.json [--calls 300] [--concurrency 32] [--smoke]
+
+`--smoke`: 5 paired calls, 2 clients x 2 calls (seconds, for CI).
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import pathlib
 import subprocess
 import sys
@@ -26,8 +29,13 @@ import httpx
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from benchmarks._meta import run_info, write_result  # noqa: E402
+
 SMALL = dict(num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1,
-             head_dim=16)   # tests/envs_testing.py's tiny model: the engine is not what we time
+             head_dim=16)   # tests/support/envs.py's tiny model: the engine is not what we time
 
 
 def _free_port() -> int:
@@ -45,7 +53,12 @@ def main():
   p.add_argument("--calls_per_client", type=int, default=10)
   p.add_argument("--max_tokens", type=int, default=8)
   p.add_argument("--synchronous", default="NORMAL", help="the store's SQLite synchronous mode")
+  p.add_argument("--smoke", action="store_true",
+                 help="5 paired calls, 2 clients x 2 calls (seconds, for CI)")
   args = p.parse_args()
+  info = run_info(smoke=args.smoke)
+  if args.smoke:
+    args.calls, args.concurrency, args.calls_per_client = 5, 2, 2
 
   from posttrain_jax.engines.base import SamplingParams
   from posttrain_jax.engines.jax_sampler import JaxSampler, JaxSamplerConfig
@@ -134,7 +147,7 @@ def main():
              "overhead_ms": {"p50": rows[2][1], "p99": rows[2][2]},
              "http_round_trip_ms": {"p50": rows[3][1], "p99": rows[3][2]},
              "calls_per_s": calls_per_s, "same_tokens": same_tokens}
-  pathlib.Path(args.out).write_text(json.dumps(summary, indent=1))
+  write_result(args.out, info, summary)
   print(f"RESULT p50_overhead_ms={rows[2][1]:.2f} p99_overhead_ms={rows[2][2]:.2f} "
         f"calls_per_s={calls_per_s:.1f}")
 

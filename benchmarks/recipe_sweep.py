@@ -2,7 +2,7 @@
 
     python benchmarks/recipe_sweep.py --out FILE.json [--lrs 3e-5,1e-4,3e-4] [--prompts 8,16]
         [--eps_highs 0.2,0.28] [--groups 8] [--estimators grpo] [--oversamples 0]
-        [--seeds 0] [--budget_s 120]
+        [--seeds 0] [--budget_s 120] [--smoke]
 
 Every combination of learning rate x prompts per step x upper clip bound (x completions per
 prompt x advantage estimator x rl.oversample, one value each by default) runs our GRPO from
@@ -18,7 +18,8 @@ best and last accuracy) and ends with
 `RESULT best=<prompts>x<group>_lr<lr>_eps<eps_high>[_<estimator>][_over<o>]
 best_s_to_target=... best_s_to_lowest_target=... runs=<n> collapsed=<n>`,
 the best being the lowest median seconds to the top target (ties: fewer steps; where no run
-reached it, to the next lower target).
+reached it, to the next lower target). `--smoke`: one recipe (8x8, lr 1e-4, clip 0.2), seed 0,
+time_to_accuracy.py's smoke warm start and 2 RL steps (seconds, for CI; targets not reached).
 
 Measured 2026-12-05 (2-core CPU, jax 0.10.2; seed 0, 60 s budget, targets 0.5/0.7, evals every
 20 steps, warm start 0.281; `--lrs 1e-4,3e-4 --prompts 8,16 --eps_highs 0.2,0.28`), and the
@@ -66,7 +67,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import pathlib
 import statistics
@@ -78,6 +78,7 @@ for p in (_ROOT, _ROOT / "benchmarks"):
     sys.path.insert(0, str(p))
 
 import time_to_accuracy as tta  # noqa: E402
+from benchmarks._meta import run_info, write_result  # noqa: E402
 
 
 _KEYS = ("prompts", "group", "lr", "eps_high", "estimator", "oversample")
@@ -109,18 +110,26 @@ def main(argv=None):
   p.add_argument("--budget_s", type=float, default=120.0, help="training seconds per run")
   p.add_argument("--max_steps", type=int, default=2000)
   p.add_argument("--eval_every", type=int, default=10)
-  p.add_argument("--work", default="/tmp/time_to_accuracy", help="time_to_accuracy's cache")
+  p.add_argument("--work", default=None, help="time_to_accuracy's cache (default: "
+                 "/tmp/time_to_accuracy; --smoke: a fresh temporary one)")
   p.add_argument("--sft_steps", type=int, default=200)
   p.add_argument("--sft_lr", type=float, default=3e-3)
   p.add_argument("--sft_round_steps", type=int, default=30)
   p.add_argument("--warm_acc", type=float, default=0.28)
+  p.add_argument("--smoke", action="store_true",
+                 help="one recipe, seed 0, a 2-step warm start as it comes, 2 RL steps (CI)")
   args = p.parse_args(argv)
+  info = run_info(smoke=args.smoke)
+  tta.apply_smoke(args, "recipe_sweep")
+  if args.smoke:
+    args.lrs, args.prompts, args.eps_highs, args.groups = "1e-4", "8", "0.2", "8"
+    args.estimators, args.oversamples = "grpo", "0"
   args.targets = sorted(float(t) for t in args.targets.split(","))
   top = str(args.targets[-1])
   work = pathlib.Path(args.work)
   work.mkdir(parents=True, exist_ok=True)
   warm, warm_acc = tta.warm_start(work, args.sft_steps, args.sft_lr, args.sft_round_steps,
-                                  args.warm_acc, below=args.targets[0])
+                                  args.warm_acc, below=math.inf if args.smoke else args.targets[0])
   print(f"warm start: {warm} (greedy held-out accuracy {warm_acc:.3f})")
 
   grid = list(itertools.product([int(x) for x in args.prompts.split(",")],
@@ -142,7 +151,7 @@ def main(argv=None):
           f"{r['steps']} steps, {r['s_per_step']:.3f} s/step, s to targets {r['s_to_target']}, "
           f"best {r['best_acc']:.3f}, last {r['last_acc']:.3f}, load1 {r['load1']:.2f}",
           flush=True)
-    pathlib.Path(args.out).write_text(json.dumps({"runs": runs}, indent=1, default=str))
+    write_result(args.out, info, {"runs": runs})
 
   rows = []
   for prompts, group, lr, eps_high, est, over in grid:
@@ -169,9 +178,8 @@ def main(argv=None):
   # the top target first; where no run reached it, the next lower one, and so on
   best = min(rows, key=lambda w: [(w["s_to"][t], w["steps_to"][t])
                                   for t in map(str, reversed(args.targets))])
-  pathlib.Path(args.out).write_text(json.dumps(
-      {"args": vars(args), "warm_start": str(warm), "warm_acc": warm_acc, "runs": runs,
-       "table": rows, "best": best["name"]}, indent=1, default=str))
+  write_result(args.out, info, {"args": vars(args), "warm_start": str(warm), "warm_acc": warm_acc,
+                                "runs": runs, "table": rows, "best": best["name"]})
   print(f"RESULT best={best['name']} best_s_to_target={tta._fmt(best['s_to'][top])} "
         f"best_s_to_lowest_target={tta._fmt(best['s_to'][str(args.targets[0])])} "
         f"runs={len(runs)} collapsed={sum(w['collapsed'] for w in rows)}")

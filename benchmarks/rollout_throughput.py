@@ -28,23 +28,33 @@ repeat, the shapes, versions and the machine.
 
 Usage: python benchmarks/rollout_throughput.py [--out FILE.json] [--batch_sizes 1,4,16,64]
        [--prompts B] [--prompt_len 32] [--n 4] [--max_tokens 64] [--repeats 3]
-       [--hidden 128 --layers 4 --vocab 512] [--enforce_eager] [--work DIR]
+       [--hidden 128 --layers 4 --vocab 512] [--enforce_eager] [--work DIR] [--smoke]
 Caches (vLLM, torch inductor, the built model) go under --work (default: a temp dir, removed
-at the end).
+at the end). `--smoke`: the same calls at the smallest size (1 prompt of 8 tokens, n=2, 8 new
+tokens, 1 repeat; d=64, 1 layer, vocab 512), JAX sampler only: seconds, for CI; its figures are
+not headline figures. vLLM is skipped there (it says so): on a 2-core CPU its start-up alone
+took 50 s and its first batch 28 s more (98 s in all). The same size with vLLM:
+`--batch_sizes 1 --prompt_len 8 --n 2 --max_tokens 8 --repeats 1 --hidden 64 --layers 1
+--enforce_eager`.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import pathlib
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+from benchmarks._meta import run_info, write_result  # noqa: E402
 
 _DEFAULT_BATCH_SIZES = "1,4,16,64"
 _MAX_TMPDIR = 107 - 37  # zmq's IPC path limit, less vLLM's "/<uuid4>" socket name
@@ -74,7 +84,13 @@ def _args():
                  help="vLLM's share of GPU memory (GPU only; JAX shares the device)")
   p.add_argument("--no_vllm", action="store_true", help="measure the JAX sampler only")
   p.add_argument("--work", default=None, help="directory for caches and the model (kept)")
+  p.add_argument("--smoke", action="store_true",
+                 help="1 prompt of 8 tokens, n=2, 8 new tokens, 1 repeat, d=64, 1 layer; the "
+                      "JAX sampler only (vLLM's start-up takes minutes): seconds, for CI")
   a = p.parse_args()
+  if a.smoke:
+    a.batch_sizes, a.prompts, a.prompt_len, a.n, a.max_tokens, a.repeats = "1", None, 8, 2, 8, 1
+    a.hidden, a.layers, a.vocab, a.intermediate = 64, 1, 512, None
   sizes = set()
   if a.batch_sizes is not None or a.prompts is None:
     sizes |= {int(s) for s in (a.batch_sizes or _DEFAULT_BATCH_SIZES).split(",") if s.strip()}
@@ -148,6 +164,7 @@ def _fmt(x, spec: str) -> str:
 def main():
   t_start = time.perf_counter()
   a = _args()
+  info = run_info(smoke=a.smoke)
   own_work = a.work is None
   work = pathlib.Path(a.work or tempfile.mkdtemp(prefix="rollout_tp_", dir="/tmp"))
   _environment(work)
@@ -182,7 +199,13 @@ def main():
                       max_prompt_len=a.prompt_len, max_tokens=a.max_tokens)
   engines = {"jax": engine_spec("jax").build(JaxSamplerConfig(), ctx)}
   vllm_skipped, startup_s, vllm_cfg = None, None, None
-  ok, why = (False, "--no_vllm") if a.no_vllm else _vllm_importable()
+  if a.no_vllm:
+    ok, why = False, "--no_vllm"
+  elif a.smoke:
+    ok, why = False, ("--smoke: vLLM's start-up and first batch (50 + 28 s measured on a 2-core "
+                      "CPU) are beyond a smoke run; run without --smoke for the vLLM side")
+  else:
+    ok, why = _vllm_importable()
   if not ok:
     vllm_skipped = why
   else:
@@ -265,8 +288,7 @@ def main():
                   "loadavg_end": list(os.getloadavg())},
       "wall_s": wall_s,
   }
-  if a.out:
-    pathlib.Path(a.out).write_text(json.dumps(result, indent=1))
+  write_result(a.out, info, result)
   if own_work:
     shutil.rmtree(work, ignore_errors=True)
   last = rows[-1]

@@ -11,7 +11,8 @@ sampler); the scripts' own defaults give the figures quoted in the issues.
     python benchmarks/run_all.py --out runs/bench/all.json [--md benchmarks/README.md]
                                  [--only name,name] [--full]
 
-`--md` rewrites the block between the markers in that file (benchmarks/README.md keeps the
+`--smoke` runs every script at its own `--smoke` size instead (seconds each: a check that the
+suite runs, not figures). `--md` rewrites the block between the markers in that file (benchmarks/README.md keeps the
 latest table with the machine and the command). `--full`: each script's own default sizes
 (hours on a CPU; for an accelerator machine). Ends with one line
 `RESULT benchmarks=<n> ok=<n> failed=<n> skipped=<n> seconds=<s>`.
@@ -22,16 +23,16 @@ import argparse
 import dataclasses
 import datetime
 import importlib.util
-import json
 import os
 import pathlib
 import platform
-import re
 import subprocess
 import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from benchmarks._meta import run_info, write_result  # noqa: E402
 BEGIN, END = "<!-- run_all:begin -->", "<!-- run_all:end -->"
 
 
@@ -95,10 +96,10 @@ def _missing(needs) -> list[str]:
   return [m for m in needs if importlib.util.find_spec(m) is None]
 
 
-def run_one(b: Bench, outdir: pathlib.Path, full: bool) -> dict:
-  """Runs one benchmark; a row for the table."""
+def run_one(b: Bench, outdir: pathlib.Path, full: bool, smoke: bool = False) -> dict:
+  """Runs one benchmark (at its --smoke size with `smoke`); a row for the table."""
   row = {"name": b.name, "what": b.what, "keys": list(b.keys)}
-  if b.full_only and not full:
+  if b.full_only and not full and not smoke:
     return {**row, "status": "skipped", "why": f"--full only: {b.full_only}", "seconds": 0.0,
             "result": {}}
   missing = _missing(b.needs)
@@ -106,7 +107,8 @@ def run_one(b: Bench, outdir: pathlib.Path, full: bool) -> dict:
     return {**row, "status": "skipped", "why": f"{', '.join(missing)} not installed",
             "seconds": 0.0, "result": {}}
   out = outdir / f"{b.name}.json"
-  cmd = [sys.executable, str(HERE / f"{b.name}.py"), *(() if full else b.args), "--out", str(out)]
+  args = ("--smoke",) if smoke else (() if full else b.args)
+  cmd = [sys.executable, str(HERE / f"{b.name}.py"), *args, "--out", str(out)]
   log = outdir / f"{b.name}.log"
   t0 = time.monotonic()
   try:
@@ -158,7 +160,10 @@ def main():
   ap.add_argument("--only", default="", help="comma-separated subset of: "
                   + ",".join(b.name for b in SUITE))
   ap.add_argument("--full", action="store_true", help="each script's own default sizes")
+  ap.add_argument("--smoke", action="store_true",
+                  help="each script at its --smoke size (seconds; checks the suite runs)")
   a = ap.parse_args()
+  info = run_info(smoke=a.smoke)
   names = [n for n in a.only.split(",") if n]
   unknown = sorted(set(names) - {b.name for b in SUITE})
   if unknown:
@@ -171,7 +176,7 @@ def main():
   rows = []
   for b in suite:
     print(f"[{time.monotonic() - t0:6.0f} s] {b.name} ...", flush=True)
-    rows.append(run_one(b, outdir, a.full))
+    rows.append(run_one(b, outdir, a.full, a.smoke))
     r = rows[-1]
     print(f"         {r['status']} in {r['seconds']:.0f} s: "
           + " ".join(f"{k}={v}" for k, v in r["result"].items()), flush=True)
@@ -181,7 +186,7 @@ def main():
           "seconds": time.monotonic() - t0, "python": platform.python_version()}
   table = markdown(rows, meta)
   print("\n" + table + "\n")
-  out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+  write_result(str(out), info, {"meta": meta, "rows": rows})
   if a.md:
     _write_md(pathlib.Path(a.md), table)
   n_ok = sum(r["status"] == "ok" for r in rows)

@@ -51,10 +51,13 @@ rl.batch.share_prefix=False): what the code did before them; `--trim` / `--kl_ev
 `--share_prefix` set them for the `after` column (to measure one fix at a time); `plain` is
 `after` without shared-prefix rows.
 
-    python benchmarks/step_breakdown.py --out /tmp/breakdown.json --modes sync,async
+    python benchmarks/step_breakdown.py --out /tmp/breakdown.json --modes sync,async [--smoke]
 ends with `RESULT tiny_sync_step_s=... tiny_sync_train_frac=... tiny_sync_gen_frac=... ...`
 (one group of keys per case x mode x variant; `_before` / `_plain` rows add
 `..._before_speedup=` / `..._plain_speedup=`: their step time over `after`'s).
+
+`--smoke`: the tiny case only, 2 SFT steps, 2 prompts x 8 in 16 rows a step, 1 warm-up and 1
+measured step per mode x variant (seconds, for CI); the big case's keys read nan.
 
 Measured 2026-12-05 (2-core CPU, jax 0.10.2), mean s per step, before -> after:
 
@@ -76,6 +79,8 @@ import contextlib
 import dataclasses
 import functools
 import json
+import pathlib
+import sys
 import tempfile
 import threading
 import time
@@ -96,6 +101,12 @@ from posttrain_jax.engines import jax_sampler
 from posttrain_jax.metrics import MetricsWriter
 from posttrain_jax.models.decoder import init_cache
 from posttrain_jax.run_config import run_config_from_dict
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from benchmarks._meta import run_info, write_result  # noqa: E402
 
 PARTS = ("weight sync", "prompt encode", "generate host", "generate prefill", "generate decode",
          "decode to text", "grading", "rollout python", "rollout wait", "advantages",
@@ -418,7 +429,14 @@ def main():
                   help="the after column's report-only KL interval (default: rl_step.KL_EVERY)")
   ap.add_argument("--set", action="append", default=[],
                   help="a config override path=json for both cases, e.g. rl.reference_kl=false")
+  ap.add_argument("--smoke", action="store_true",
+                  help="the tiny case only, 2 SFT steps, 2 prompts a step, 1 warm-up + 1 "
+                       "measured step (CI)")
   args = ap.parse_args()
+  info = run_info(smoke=args.smoke)
+  if args.smoke:
+    args.steps, args.big_steps, args.warmup, args.tiny_sft_steps = 1, 1, 1, 2
+    args.set = ["rl.prompts_per_step=2", "rl.batch.rows=16", "rl.batch.max_seqs=16", *args.set]
   after = {}
   if args.trim is not None:
     after["trim"] = args.trim == "true"
@@ -429,6 +447,11 @@ def main():
   variants = dict(VARIANTS, after=after)
   rows = []
   for case in args.cases.split(","):
+    if args.smoke and case != "tiny":   # its keys read nan
+      print(f"--smoke: the {case} case is skipped (a 55M-parameter model: minutes a step)")
+      rows += [{"case": f"{case}_{mode}" + ("" if v == "after" else f"_{v}"), "skipped": True}
+               for mode in args.modes.split(",") for v in args.variants.split(",")]
+      continue
     a = argparse.Namespace(**vars(args))
     if case == "big":
       a.steps = args.big_steps
@@ -447,12 +470,17 @@ def main():
   for r in rows:
     groups.setdefault(r["case"].removesuffix("_before").removesuffix("_plain"), []).append(r)
   for name, group in groups.items():
-    print(f"\n== {name} ({group[0]['params'] / 1e6:.1f}M parameters) ==")
-    print_table(group)
-  with open(args.out, "w") as f:
-    json.dump({"backend": jax.default_backend(), "rows": rows}, f, indent=1)
+    group = [r for r in group if not r.get("skipped")]
+    if group:
+      print(f"\n== {name} ({group[0]['params'] / 1e6:.1f}M parameters) ==")
+      print_table(group)
+  write_result(args.out, info, {"backend": jax.default_backend(), "rows": rows})
   out = []
   for r in rows:
+    if r.get("skipped"):
+      out += [f"{r['case']}_{k}=nan" for k in ("step_s", "train_frac", "gen_frac", "ref_frac",
+                                                "computed_over_real", "compiles")]
+      continue
     c, fr = r["case"], r["parts_frac"]
     out += [f"{c}_step_s={r['step_s']:.4f}", f"{c}_train_frac={fr['train step']:.3f}",
             f"{c}_gen_frac={_gen_frac(r):.3f}", f"{c}_ref_frac={fr['ref / old logp']:.3f}",
@@ -462,7 +490,9 @@ def main():
   for c in groups:
     for v in ("before", "plain"):
       if c in by_case and f"{c}_{v}" in by_case:
-        out.append(f"{c}_{v}_speedup={by_case[f'{c}_{v}']['step_s'] / by_case[c]['step_s']:.2f}")
+        x, y = by_case[f"{c}_{v}"], by_case[c]
+        out.append(f"{c}_{v}_speedup=" + ("nan" if x.get("skipped") or y.get("skipped") else
+                                          f"{x['step_s'] / y['step_s']:.2f}"))
   print("RESULT " + " ".join(out))
 
 

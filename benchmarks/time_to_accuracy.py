@@ -1,7 +1,7 @@
 """Time to accuracy: our GRPO vs TRL's `GRPOTrainer`, same warm-started model, task, reward, machine.
 
     python benchmarks/time_to_accuracy.py [--seeds 0,1,2] [--targets 0.5,0.7] [--out FILE.json]
-                                          [--ours_recipe default|issue]
+                                          [--ours_recipe default|issue] [--smoke]
 
 What is compared (issue P): a ~3.2M-parameter Qwen3 built locally (models/tiny.py: no hub),
 SFT-warm-started with our Trainer on 2-digit addition to about 0.30 greedy held-out accuracy and
@@ -46,6 +46,10 @@ On TRL's exact settings both sides take about the same steps to 0.6 (ours 0-9% f
 seed), so the 3.1-3.3x of per-step cost is the whole ratio there, less ours' compiles (~3-4 s
 for the first step, ~2.7 s for each new length): 600 steps x 0.104 s = 62 s of steps in
 73.6 s. The default recipe's 16 prompts a step cost 1.8x a step and need 2.4x fewer steps.
+
+`--smoke`: one seed, a 2-step SFT warm start taken at whatever accuracy it reaches, 2 RL steps
+per side with an eval after each, in a fresh temporary --work unless one is given (seconds, for
+CI; the targets are not reached: inf).
 """
 from __future__ import annotations
 
@@ -62,6 +66,8 @@ import time
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
   sys.path.insert(0, str(_ROOT))
+
+from benchmarks._meta import run_info, write_result  # noqa: E402
 
 TINY = dict(family="qwen3", vocab_size=512, hidden_size=256, intermediate_size=768, num_layers=4,
             num_heads=4, num_kv_heads=2, head_dim=64, seed=0)    # 3.2M parameters
@@ -294,6 +300,18 @@ def _summary(who, seed, step_s, curve, hits, train_s, eval_s, completions=PROMPT
           "curve": curve}
 
 
+def apply_smoke(args, name: str) -> None:
+  """`--smoke` (module docstring): the smallest sizes of the same path, set on `args` (a warm
+  start taken at any accuracy: `--warm_acc 0`, the caller not checking it against the targets);
+  `--work` unset: a fresh temporary one, else the cache the full runs share."""
+  if args.smoke:
+    args.seeds, args.max_steps, args.eval_every = "0", 2, 1
+    args.sft_steps, args.sft_round_steps, args.warm_acc = 2, 2, 0.0
+  if args.work is None:
+    args.work = (tempfile.mkdtemp(prefix=f"{name}_smoke_") if args.smoke
+                 else "/tmp/time_to_accuracy")
+
+
 def _median(xs):
   xs = [x for x in xs if x == x]
   return statistics.median(xs) if xs else math.nan
@@ -320,10 +338,15 @@ def main(argv=None):
   p.add_argument("--sft_lr", type=float, default=3e-3, help="warm-start SFT peak lr")
   p.add_argument("--sft_round_steps", type=int, default=30, help="warm-start: steps per extra round")
   p.add_argument("--warm_acc", type=float, default=0.28, help="warm-start: greedy accuracy to reach")
-  p.add_argument("--work", default="/tmp/time_to_accuracy", help="warm start cache, run dirs")
+  p.add_argument("--work", default=None, help="warm start cache, run dirs (default: "
+                 "/tmp/time_to_accuracy; --smoke: a fresh temporary one)")
   p.add_argument("--skip_trl", action="store_true", help="run ours only")
   p.add_argument("--out", default=None, help="write every run's numbers as JSON here")
+  p.add_argument("--smoke", action="store_true",
+                 help="seed 0, a 2-step warm start as it comes, 2 RL steps a side (CI)")
   args = p.parse_args(argv)
+  info = run_info(smoke=args.smoke)
+  apply_smoke(args, "time_to_accuracy")
   args.targets = sorted(float(t) for t in args.targets.split(","))
   seeds = [int(s) for s in args.seeds.split(",")]
   work = pathlib.Path(args.work)
@@ -333,7 +356,7 @@ def main(argv=None):
   if not with_trl and not args.skip_trl:
     print("TRL not installed: skipping its side (pip install -e \".[compare]\" for trl + torch CPU)")
   warm, warm_acc = warm_start(work, args.sft_steps, args.sft_lr, args.sft_round_steps,
-                              args.warm_acc, below=args.targets[0])
+                              args.warm_acc, below=math.inf if args.smoke else args.targets[0])
   print(f"warm start: {warm} (greedy held-out accuracy {warm_acc:.3f})")
   runs = []
   for seed in seeds:
@@ -347,7 +370,7 @@ def main(argv=None):
             f"s to targets {r['s_to_target']}, best {r['best_acc']:.3f}, load1 before "
             f"{r['load1']:.2f}", flush=True)
       if args.out:   # partial results survive an interrupted run
-        pathlib.Path(args.out).write_text(json.dumps({"runs": runs}, indent=1, default=str))
+        write_result(args.out, info, {"runs": runs})
 
   top = str(args.targets[-1])
   print(f"\n{'who':5} {'seed':>4} {'recipe':>16} {'load1':>5} {'steps':>5} {'s/step':>7} "
@@ -373,10 +396,9 @@ def main(argv=None):
   trl_t = agg["trl"]["s_to_target"].get(top, math.nan)
   speedup = trl_t / ours_t if ours_t == ours_t and trl_t == trl_t and ours_t > 0 else math.nan
   if args.out:
-    pathlib.Path(args.out).write_text(json.dumps(
-        {"args": {k: v for k, v in vars(args).items()}, "warm_start": str(warm),
-         "warm_acc": warm_acc, "runs": runs, "median": agg, "speedup": speedup,
-         "trl": with_trl}, indent=1, default=str))
+    write_result(args.out, info, {
+        "args": {k: v for k, v in vars(args).items()}, "warm_start": str(warm),
+        "warm_acc": warm_acc, "runs": runs, "median": agg, "speedup": speedup, "trl": with_trl})
   print(f"medians over seeds {seeds}, target {top}: ours {_fmt(ours_t)} s, trl {_fmt(trl_t)} s")
   print(f"RESULT ours_s_to_target={_fmt(ours_t)} trl_s_to_target={_fmt(trl_t)} "
         f"speedup={_fmt(speedup, 2)} ours_s_per_step={_fmt(agg['ours']['s_per_step'], 3)} "

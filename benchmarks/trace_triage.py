@@ -19,6 +19,10 @@ able to do"), so refusal recall measures the patterns' reach rather than being 1
 construction. Then `triage` runs on the store and the report scores every mode against the
 plan. Ends with `RESULT sessions=… macro_precision=… macro_recall=… min_recall=…` (macro over
 the planted modes) and writes the report, its plot and the curated sets beside `--out`.
+
+    python benchmarks/trace_triage.py [--sessions 300] [--seed 0] [--out FILE.json] [--smoke]
+
+`--smoke`: 12 sessions (8 of the modes planted; seconds, for CI).
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks._meta import run_info, write_result  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {
     "name": "lookup_order", "description": "Looks an order up by id.",
@@ -128,7 +134,7 @@ class PlantedPolicy:
   or a stall where the plan says so)."""
 
   def __init__(self, plans: list[dict]):
-    from tests import envs_testing as et
+    from tests.support import envs as et
     self.tok = et.tokenizer("hermes")
     self.queues = {p["session"]: [s for s in p["steps"]] for p in plans}
     self.engine = et.ScriptedEngine(self.tok, self._script, et.stop_ids(self.tok, "hermes")[0])
@@ -148,7 +154,7 @@ def record(plans: list[dict], db_path: str) -> None:
   """Runs every planned session through a real proxy into `db_path`."""
   import httpx
   import openai
-  from tests import byoh_testing as bt
+  from tests.support import byoh as bt
 
   policy = PlantedPolicy(plans)
   with bt.running(policy.engine, db_path) as (url, _):
@@ -189,7 +195,11 @@ def main():
   ap.add_argument("--sessions", type=int, default=300)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out", default="runs/trace_triage.json")
+  ap.add_argument("--smoke", action="store_true", help="12 sessions (seconds, for CI)")
   args = ap.parse_args()
+  info = run_info(smoke=args.smoke)
+  if args.smoke:
+    args.sessions = 12
   from posttrain_jax.byoh import triage, triage_report
   from posttrain_jax.byoh.store import StoreConfig, TraceStore
 
@@ -221,10 +231,11 @@ def main():
   fb_want = {("default", p["session"]) for p in plans if p["feedback"]}
   result = {"sessions": len(features), "record_s": round(t_record, 2),
             "triage_s": round(t_triage, 3), "scores": scores,
-            "macro_precision": sum(prec) / len(prec), "macro_recall": sum(rec) / len(rec),
-            "min_recall": min(rec), "feedback_set_exact": fb_set == fb_want,
+            "macro_precision": sum(prec) / len(prec) if prec else math.nan,
+            "macro_recall": sum(rec) / len(rec) if rec else math.nan,
+            "min_recall": min(rec, default=math.nan), "feedback_set_exact": fb_set == fb_want,
             "report": [str(p) for p in paths[:2]]}
-  out.write_text(json.dumps(result, indent=1))
+  write_result(str(out), info, result)
   print(f"recorded {len(plans)} sessions in {t_record:.1f} s; triage {t_triage:.2f} s; "
         f"feedback set exact: {fb_set == fb_want}; report {paths[0]}")
   print(f"RESULT sessions={len(features)} macro_precision={result['macro_precision']:.3f} "

@@ -17,20 +17,33 @@ that is fast but wrong would show here). Median over --repeats pushes per transp
   RESULT weight_sync_s_per_gb=<median s/GB of the first transport>
 
 Usage: python benchmarks/weight_sync.py [--out FILE.json] [--repeats R] [--transports shm,bytes]
-       [--hidden 768 --layers 14 --intermediate 2048 --vocab 16384] [--work DIR]
+       [--hidden 768 --layers 14 --intermediate 2048 --vocab 16384] [--work DIR] [--smoke]
 Caches (vLLM, torch inductor, the built model) go under --work (default: a temp dir).
+
+`--smoke`: the smallest model (d=64, 1 layer, vocab 512; 1 repeat), the learner's side only:
+build and load it, pack each transport's buffer (the `pack` of a push, timed) and the
+learner's log-probs of the fixed sequence. vLLM is skipped there (it says so; its columns and
+the RESULT are nan): on a 2-core CPU its start-up alone took 50-53 s. Seconds, for CI.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import pathlib
 import platform
 import statistics
+import sys
 import tempfile
 import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+from benchmarks._meta import run_info, write_result  # noqa: E402
+
+SMOKE_SKIP = ("--smoke: vLLM's start-up (~50 s measured on a 2-core CPU) is beyond a smoke run; "
+              "run without --smoke for the vLLM side")
 
 
 def _args():
@@ -46,11 +59,19 @@ def _args():
   p.add_argument("--kv-heads", type=int, default=4)
   p.add_argument("--head-dim", type=int, default=64)
   p.add_argument("--work", default=None, help="directory for caches and the model")
-  return p.parse_args()
+  p.add_argument("--smoke", action="store_true",
+                 help="d=64, 1 layer, vocab 512, 1 repeat; the learner's side only (pack, "
+                      "log-probs), vLLM skipped: seconds, for CI")
+  a = p.parse_args()
+  if a.smoke:
+    a.hidden, a.layers, a.intermediate, a.vocab, a.repeats = 64, 1, 128, 512, 1
+    a.heads, a.kv_heads, a.head_dim = 2, 1, 32
+  return a
 
 
 def main():
   a = _args()
+  info = run_info(smoke=a.smoke)
   work = pathlib.Path(a.work or tempfile.mkdtemp(prefix="weight_sync_"))
   for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
                    ("XDG_CACHE_HOME", "xdg"), ("TMPDIR", "tmp")):
@@ -67,7 +88,8 @@ def main():
 
   from posttrain_jax import batching
   from posttrain_jax import learner as L
-  from posttrain_jax.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+  from posttrain_jax.engines import vllm_worker
+  from posttrain_jax.engines.vllm_engine import VLLMEngine, VLLMEngineConfig, _hf_pairs
   from posttrain_jax.models import hf_io
   from posttrain_jax.models.tiny import TinyModelConfig, build_tiny_model
   from posttrain_jax.types import Trajectory
@@ -89,11 +111,41 @@ def main():
   print(f"model: {n_params / 1e6:.1f}M parameters ({n_params * 4 / 1e9:.2f} GB fp32), "
         f"built/loaded in {time.perf_counter() - t0:.0f} s", flush=True)
 
+  rows, version = [], 0
+  transports = a.transports.split(",")
+  seq = [(13 * i + 5) % min(a.vocab, 2000) for i in range(64)]
+
+  def learner_logprobs(served):
+    traj = Trajectory(id="s", task_id="s", token_ids=seq, loss_mask=[0] + [1] * 63,
+                      behaviour_logprobs=[0.0] * 64, policy_version=[0] * 64)
+    batch = batching.build_batch([traj], [0.0],
+                                 batching.BatchConfig(rows=1, seq_len=64, max_seqs=1))
+    return np.asarray(L.Learner(served, L.LearnerConfig(loss="sft")).logprobs(batch))[0, :63]
+
+  if a.smoke:  # the learner's side of a push (update_weights' pack), no engine to load into
+    print(f"vLLM skipped: {SMOKE_SKIP}", flush=True)
+    nan = float("nan")
+    for transport in transports:
+      pairs = list(_hf_pairs(model_b))
+      t0 = time.perf_counter()
+      nbytes = (vllm_worker.pack_file(str(work / "tmp" / "weights.safetensors"), pairs, "float32")
+                if transport == "shm" else len(vllm_worker.pack_bytes(pairs, "float32")))
+      rows.append({"transport": transport, "bytes": nbytes, "tensors": len(pairs),
+                   "pack_s": time.perf_counter() - t0, "load_s": nan, "reset_s": nan,
+                   "seconds": nan, "s_per_gb": nan, "s_per_gb_all": []})
+    ours = learner_logprobs(model_b)
+    result = {"params": n_params, "model": dataclasses.asdict(tiny), "startup_s": None,
+              "rows": rows, "logprob_delta_after_sync": nan, "repeats": a.repeats,
+              "vllm_skipped": SMOKE_SKIP}
+    _report(rows)
+    print(f"learner's mean log-prob of the fixed sequence {ours.mean():.3f} (no engine to compare)")
+    write_result(a.out, info, result)
+    print(f"RESULT weight_sync_s_per_gb={rows[0]['s_per_gb']:.3f}")
+    return
+
   engine = VLLMEngine(VLLMEngineConfig(model=str(model_dir), dtype="float32", max_model_len=256,
                                        enforce_eager=True))
   print(f"vLLM start-up {engine.startup_s:.1f} s", flush=True)
-  rows, version = [], 0
-  transports = a.transports.split(",")
   for transport in transports:
     engine.cfg = dataclasses.replace(engine.cfg, weight_transport=transport)
     stats = []
@@ -111,27 +163,26 @@ def main():
 
   # correctness of the last push: engine vs learner log-probs of a fixed sequence
   served = model_b if version % 2 else model_a
-  seq = [(13 * i + 5) % min(a.vocab, 2000) for i in range(64)]
   vllm_lp = np.asarray(engine.score([seq])[0])
-  traj = Trajectory(id="s", task_id="s", token_ids=seq, loss_mask=[0] + [1] * 63,
-                    behaviour_logprobs=[0.0] * 64, policy_version=[0] * 64)
-  batch = batching.build_batch([traj], [0.0], batching.BatchConfig(rows=1, seq_len=64, max_seqs=1))
-  ours = np.asarray(L.Learner(served, L.LearnerConfig(loss="sft")).logprobs(batch))[0, :63]
+  ours = learner_logprobs(served)
   delta = float(np.abs(vllm_lp - ours).mean())
   engine.close()
 
+  _report(rows)
+  print(f"after the last push: mean |vLLM - learner| log-prob {delta:.2e}")
+  result = {"params": n_params, "model": dataclasses.asdict(tiny), "startup_s": engine.startup_s,
+            "rows": rows, "logprob_delta_after_sync": delta, "repeats": a.repeats,
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
+  write_result(a.out, info, result)
+  print(f"RESULT weight_sync_s_per_gb={rows[0]['s_per_gb']:.3f}")
+
+
+def _report(rows):
   print(f"\n{'transport':>9} {'MB':>7} {'pack s':>7} {'load s':>7} {'reset s':>7} {'total s':>7} "
         f"{'s/GB':>6}")
   for r in rows:
     print(f"{r['transport']:>9} {r['bytes'] / 1e6:7.1f} {r['pack_s']:7.3f} {r['load_s']:7.3f} "
           f"{r['reset_s']:7.3f} {r['seconds']:7.3f} {r['s_per_gb']:6.3f}")
-  print(f"after the last push: mean |vLLM - learner| log-prob {delta:.2e}")
-  result = {"params": n_params, "model": dataclasses.asdict(tiny), "startup_s": engine.startup_s,
-            "rows": rows, "logprob_delta_after_sync": delta, "repeats": a.repeats,
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
-  if a.out:
-    pathlib.Path(a.out).write_text(json.dumps(result, indent=1))
-  print(f"RESULT weight_sync_s_per_gb={rows[0]['s_per_gb']:.3f}")
 
 
 if __name__ == "__main__":
