@@ -98,9 +98,3 @@ def write_result(out: Optional[str], info: dict[str, Any], figures: dict[str, An
     pathlib.Path(out).write_text(json.dumps(doc, indent=1, default=str))
   return doc
 
-
-def result_line(figures: dict[str, Any]) -> str:
-  """`RESULT key=value ...` (floats with 4 significant digits after the point)."""
-  def fmt(v):
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
-  return "RESULT " + " ".join(f"{k}={fmt(v)}" for k, v in figures.items())

@@ -151,7 +151,7 @@ def test_task_file_regressions(tmp, line, field):
 
 def test_an_explicit_id_equal_to_a_default_id_is_a_duplicate(tmp):
   """Line 1 has no id ("tasks.jsonl:1"); line 2 names that id: two tasks, one id, no error."""
-  from posttrain_jax.tasks.bank import JsonlSource, TaskBankError
+  from posttrain_jax.tasks import JsonlSource, TaskBankError
   path = tmp / "tasks.jsonl"
   path.write_text(json.dumps({"prompt": "a", "answer": "1"}) + "\n" +
                   json.dumps({"id": "tasks.jsonl:1", "prompt": "b", "answer": "2"}) + "\n")

@@ -33,7 +33,8 @@ class Evaluator:
     self.cfg, self.spec, self.episode, self.held_out, self.log = (cfg, episode_spec, episode,
                                                                   held_out, log)
 
-  def __call__(self, engine, learner=None, version: Optional[int] = None) -> dict[str, float]:
+  def __call__(self, engine, learner=None, version: Optional[int] = None
+               ) -> tuple[dict[str, float], float]:
     """The held-out metrics (after syncing the learner's weights at `version`, when given) and
     the seconds it took."""
     t0 = time.perf_counter()

@@ -13,9 +13,9 @@ generator (`TaskBankConfig.generator`) are registries; every module of this pack
 posttrain_jax/envs/, whose environments bring their task generators) is imported on the first
 lookup, so a new source or task family is one file here plus its test.
 """
-from posttrain_jax.tasks.bank import (SOURCES, HfDiskSource, JsonlSource, ParquetSource,
-                                      SubsetSource, TaskBank, TaskBankConfig, TaskBankError,
-                                      TaskIterator)
+from posttrain_jax.tasks.bank import (SOURCES, SubsetSource, TaskBank, TaskBankConfig,
+                                      TaskBankError, TaskIterator)
+from posttrain_jax.tasks.files import HfDiskSource, JsonlSource, ParquetSource
 from posttrain_jax.tasks.synthetic import (GENERATORS, ArithmeticConfig, CountdownConfig,
                                            GeneratorError, SyntheticSource, distinct_tasks,
                                            format_prompt, generate_task, register_generator,

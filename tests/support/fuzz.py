@@ -353,7 +353,7 @@ def task_file(draw):
 
 def check_task_file(tmp: pathlib.Path, lines, rows, bad: Optional[int],
                     field: Optional[str]) -> str:
-  from posttrain_jax.tasks.bank import JsonlSource, TaskBankError
+  from posttrain_jax.tasks import JsonlSource, TaskBankError
   path = tmp / "tasks.jsonl"
   path.write_bytes(b"\n".join(lines) + b"\n")
   try:
