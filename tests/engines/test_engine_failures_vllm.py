@@ -135,7 +135,7 @@ def test_a_run_rides_out_a_killed_server(tmp_path):
   from posttrain_jax.engines.vllm_server import LocalServerConfig, LocalVLLMServer
   from posttrain_jax.run import Trainer
   from tests.support.runs import tiny_run
-  from tests.support.vllm import TINY
+  from tests.support.vllm import TINY_FIELDS
   with vt.vllm_environment(tmp_path / "vllm_env"):
     server = LocalVLLMServer(LocalServerConfig(
         model=str(vt.tiny_model_dir(tmp_path)), dtype="float32", max_model_len=256,
@@ -143,7 +143,7 @@ def test_a_run_rides_out_a_killed_server(tmp_path):
     with server:
       proxy = KillingProxy(server)
       workdir = tmp_path / "run"
-      cfg = tiny_run(workdir, model={"tiny": {**TINY, "corpus_lines": 500}},
+      cfg = tiny_run(workdir, model={"tiny": {**TINY_FIELDS, "corpus_lines": 500}},
                      rl={"steps": 5, "prompts_per_step": 2, "engine": "openai",
                          "engine_config": {"base_url": proxy.url, "max_retries": 0,
                                            "weights_dir": str(tmp_path / "weights")},

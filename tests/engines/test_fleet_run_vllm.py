@@ -21,7 +21,7 @@ def test_a_run_goes_on_on_the_other_server(tmp_path, monkeypatch):
   from posttrain_jax.run import Trainer
   from posttrain_jax.types import Status
   from tests.support.runs import tiny_run
-  from tests.support.vllm import TINY
+  from tests.support.vllm import TINY_FIELDS
 
   collected = []                   # a spy: what the real source returned, step by step
   real_collect = SyncRollouts.collect
@@ -46,7 +46,7 @@ def test_a_run_goes_on_on_the_other_server(tmp_path, monkeypatch):
       # kills server 1 as step 3's request to it is sent (4 tokens: it would answer in < 50 ms)
       proxy = KillingProxy(servers[1], kill_first=True)
       workdir = tmp_path / "run"
-      cfg = tiny_run(workdir, model={"tiny": {**TINY, "corpus_lines": 500}},
+      cfg = tiny_run(workdir, model={"tiny": {**TINY_FIELDS, "corpus_lines": 500}},
                      rl={"steps": 6, "prompts_per_step": 2, "engine": "fleet",
                          "engine_config": {"urls": [servers[0].url, proxy.url],
                                            "health_interval_s": 0.5,

@@ -151,7 +151,7 @@ def test_a_run_rides_out_a_killed_worker(tmp_path, monkeypatch):
   vLLM's), training goes on to the end, and the metrics show the gap."""
   from posttrain_jax.run import Trainer
   from tests.support.runs import tiny_run
-  from tests.support.vllm import TINY
+  from tests.support.vllm import TINY_FIELDS
   killed = []
   real_run = VLLMEngine._run
 
@@ -164,7 +164,7 @@ def test_a_run_rides_out_a_killed_worker(tmp_path, monkeypatch):
 
   monkeypatch.setattr(VLLMEngine, "_run", run_then_kill)
   workdir = tmp_path / "run"
-  cfg = tiny_run(workdir, model={"tiny": {**TINY, "corpus_lines": 500}},
+  cfg = tiny_run(workdir, model={"tiny": {**TINY_FIELDS, "corpus_lines": 500}},
                  rl={"steps": 5, "prompts_per_step": 2, "engine": "vllm",
                      "engine_config": {"dtype": "float32", "max_model_len": 256,
                                        "enforce_eager": True},

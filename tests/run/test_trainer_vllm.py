@@ -6,13 +6,13 @@ from posttrain_jax.metrics import read_metrics
 from posttrain_jax.run import Trainer
 from tests.support import vllm as vt
 from tests.support.runs import tiny_run
-from tests.support.vllm import TINY
+from tests.support.vllm import TINY_FIELDS
 
 
 
 @vt.needs_vllm
 def test_grpo_with_vllm_engine(tmp_path):
-  cfg = tiny_run(tmp_path / "run", model={"tiny": {**TINY, "corpus_lines": 500}},
+  cfg = tiny_run(tmp_path / "run", model={"tiny": {**TINY_FIELDS, "corpus_lines": 500}},
                  rl={"steps": 3, "prompts_per_step": 2, "engine": "vllm",
                      "engine_config": {"dtype": "float32", "max_model_len": 256,
                                        "enforce_eager": True},
@@ -35,7 +35,7 @@ def test_grpo_with_vllm_engine(tmp_path):
 def test_vllm_engine_limit_defaults_to_the_models(tmp_path):
   """No rl.engine_config.max_model_len: vLLM serves up to the model's max_position_embeddings
   (the default run used to ask for 2048 > the tiny model's 1024, which vLLM refused)."""
-  cfg = tiny_run(tmp_path / "run", model={"tiny": {**TINY, "corpus_lines": 500}},
+  cfg = tiny_run(tmp_path / "run", model={"tiny": {**TINY_FIELDS, "corpus_lines": 500}},
                  rl={"steps": 2, "prompts_per_step": 2, "engine": "vllm",
                      "engine_config": {"dtype": "float32", "enforce_eager": True},
                      "rollout": {"group_size": 4, "max_tokens": 4},
