@@ -10,11 +10,12 @@ import sys
 import threading
 import time
 
+import openai
 import uvicorn
 
 from posttrain_jax.byoh.app import build_app
 from posttrain_jax.byoh.server import Proxy, ProxyConfig
-from posttrain_jax.byoh.store import StoreConfig, TraceStore
+from posttrain_jax.byoh.store import Choice, StoreConfig, TraceStore
 from tests.support import envs as et
 
 
@@ -136,19 +137,9 @@ def serve_process(args: list[str], db, model_dir, port: int):
       proc.kill()
 
 
-from posttrain_jax.byoh.store import (Choice, StoreConfig, TraceStore)
-from tests.support import envs as et
-
-
 def recorded_choice(i, ids, version=1, finish="stop"):
   return Choice(i, ids, [-0.5 - 0.01 * k for k in range(len(ids))], finish, version, "t",
                 {"role": "assistant", "content": "t"})
-
-
-import threading
-import openai
-from posttrain_jax.byoh.server import ProxyConfig
-from tests.support import envs as et
 
 
 def scripted_engine(texts):

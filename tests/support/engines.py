@@ -1,6 +1,8 @@
 """Shared test helpers (engines), moved out of the test modules that used to import each other."""
 import os
+import pathlib
 import signal
+import socket
 import threading
 import time
 
@@ -12,14 +14,6 @@ def server_alive(pid: int) -> bool:
       return f.read().rsplit(")", 1)[1].split()[0] != "Z"
   except FileNotFoundError:
     return False
-
-
-import os
-import pathlib
-import signal
-import socket
-import threading
-import time
 
 
 class KillingProxy:

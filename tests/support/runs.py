@@ -4,8 +4,10 @@ loaded as launch/train.py loads them."""
 import pathlib
 
 import numpy as np
+from ml_collections.config_flags.config_flags import ConfigFileFlagParser
+
 from posttrain_jax.models.safetensors_io import Checkpoint
-from posttrain_jax.run_config import run_config_from_dict
+from posttrain_jax.run_config import RunConfig, run_config_from_dict
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -37,9 +39,6 @@ def final_weights(path):
   return {n: np.array(a) for n, a in ck.items()}
 
 
-from tests.support.runs import tiny_run
-
-
 G, P = 4, 2
 
 
@@ -56,10 +55,6 @@ def async_run(workdir, **over):
           "batch": {"rows": 8, "seq_len": 32, "max_seqs": 8, "pack": False}},
       eval={"every_steps": 0, "samples_per_prompt": 1, "max_tokens": 4, "greedy": False},
       checkpoint={"every_steps": 2}, **over)
-
-
-import numpy as np
-from tests.support.runs import tiny_run
 
 
 QUIET = dict(log=lambda *_: None)
@@ -79,10 +74,6 @@ def running_run(workdir, **over):
       checkpoint={"every_steps": 3}, **over)
 
 
-import numpy as np
-from posttrain_jax.run_config import run_config_from_dict
-
-
 def distill_run(workdir, grader="hidden_rule", **rl):
   return run_config_from_dict({
       "workdir": str(workdir), "seed": 0, "grader": grader,
@@ -100,10 +91,6 @@ def distill_run(workdir, grader="hidden_rule", **rl):
       "eval": {"every_steps": 0, "samples_per_prompt": 1, "max_tokens": 4, "greedy": False},
       "checkpoint": {"every_steps": 1},
   })
-
-
-from ml_collections.config_flags.config_flags import ConfigFileFlagParser
-from posttrain_jax.run_config import RunConfig, run_config_from_dict
 
 
 def load_config(name: str, **over) -> RunConfig:
