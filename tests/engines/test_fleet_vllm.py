@@ -87,24 +87,29 @@ def test_a_killed_server_is_taken_out_and_its_prompts_are_errors(fleet):
   victim = servers[1]
   result = {}
 
-  # As long as the context allows (512 - the 17-token prompt); the kill lands once both servers
-  # hold requests of this call (the fleet's in-flight count), not after a fixed sleep: CI's
-  # machine finished 32 completions of 200 tokens inside the 1.5 s this test once slept, and
-  # nothing was in flight at the kill.
+  # The victim is stopped (SIGSTOP, its process group) before the call, so the prompts routed
+  # to it wait there and are certainly in flight when it is killed. Racing a running server
+  # (kill once both hold requests) failed on CI: the survivor finished all 32 completions before
+  # the victim showed any load (a health probe may take a busy server out first).
   def long_generate():
-    result["out"] = engine.generate(PROMPTS * 2, SamplingParams(max_tokens=LONG), n=4, seed=3)
+    try:
+      result["out"] = engine.generate(PROMPTS * 2, SamplingParams(max_tokens=LONG), n=4, seed=3)
+    except BaseException as e:  # reported by the assertion below, not lost in the thread
+      result["error"] = e
 
+  first = victim.proc.pid
+  os.killpg(first, signal.SIGSTOP)
   t = threading.Thread(target=long_generate)
   t.start()
   t0 = time.monotonic()
   while not all(s["load"] for s in engine.servers()):
-    assert t.is_alive() and time.monotonic() < t0 + 120, "both servers never held requests at once"
+    assert t.is_alive() and time.monotonic() < t0 + 120, (
+        f"both servers never held requests at once: {engine.servers()} {result}")
     time.sleep(0.005)
   at = time.monotonic() - t0
-  first = victim.proc.pid
   os.killpg(first, signal.SIGKILL)
   t.join(300)
-  assert "out" in result, "generate did not return after the kill"
+  assert "out" in result, f"generate did not return after the kill: {result}"
   comps = [c for x in result["out"] for c in x]
   errors = [c for c in comps if c.finish_reason == "error"]
   whole = [c for c in comps if c.finish_reason == "length"]
