@@ -56,6 +56,7 @@ _CORE = [
     "httptools>=0.6",  # uvicorn's C HTTP parser (else pure-Python h11): -0.2 ms a proxy call
     "starlette",  # imported directly for its HTTPException (404s in the OpenAI error shape)
     "psutil",  # engines/vllm_engine.py watches vLLM's engine-core and worker processes
+    "gguf>=0.17",  # models/gguf_io.py: a .gguf model path (llama.cpp's reader and dequantiser)
 ]
 
 setup(
@@ -73,7 +74,10 @@ setup(
         "test": ["pytest>=8", "torch==2.13.0", "build", "wheel", "hypothesis>=6",
                  # the official client, as the harness of the proxy tests; httpx for the
                  # proxy routes outside the OpenAI API (openai 3.x ships its own fork)
-                 "openai>=1.40", "httpx"],
+                 "openai>=1.40", "httpx",
+                 # transformers' own GGUF loader (the reference of tests/models/test_gguf*)
+                 "accelerate",
+                 "pytest-xdist"],  # the default suite runs on 2 workers (pytest.ini)
         # benchmarks/time_to_accuracy.py runs TRL's GRPOTrainer beside ours (torch CPU build)
         "compare": ["trl>=1.16", "torch==2.13.0"],
         "vllm": ["vllm"],

@@ -34,7 +34,7 @@ from posttrain_jax.teacher import FIELDS as TEACHER_FIELDS, TeacherConfig
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
   """Where the initial weights come from."""
-  path: Optional[str] = None      # a HF model directory; None = build the tiny model below
+  path: Optional[str] = None      # a HF model directory or a .gguf file; None = the tiny model
   tiny: TinyModelConfig = TinyModelConfig()  # the locally built model (no downloads)
   param_dtype: str = "float32"    # master weights
   compute_dtype: str = "float32"  # activations / matmuls

@@ -28,6 +28,7 @@ from posttrain_jax.errors import PathNotFoundError, UserError
 from posttrain_jax.models.config import ConfigError, ModelConfig, from_hf_dict, to_hf_dict
 from posttrain_jax.models.decoder import Decoder
 from posttrain_jax.models.fsutil import atomic_directory
+from posttrain_jax.models.gguf_io import resolve_model_path
 from posttrain_jax.models.safetensors_io import Checkpoint, SafetensorsError, write_safetensors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -46,8 +47,9 @@ def _check_model_dir(path: pathlib.Path) -> None:
 
 
 def read_model_config(path: os.PathLike, **overrides) -> ModelConfig:
-  """Reads `<path>/config.json` into a ModelConfig (overrides: dtypes, remat)."""
-  path = pathlib.Path(path)
+  """Reads `<path>/config.json` into a ModelConfig (overrides: dtypes, remat); `path` may be
+  a `.gguf` file (models/gguf_io.py converts it once)."""
+  path = resolve_model_path(path)
   _check_model_dir(path)
   cfg_path = path / "config.json"
   if not cfg_path.exists():
@@ -113,9 +115,10 @@ def load_hf_model(path: os.PathLike, mesh: Optional[Mesh] = None, rules=shd.DEFA
                   **overrides) -> Decoder:
   """Loads a HF checkpoint directory into a (sharded) Decoder.
 
-  `overrides` replace ModelConfig fields (param_dtype, compute_dtype, remat).
+  `overrides` replace ModelConfig fields (param_dtype, compute_dtype, remat). `path` may be a
+  `.gguf` file (models/gguf_io.py converts it once).
   """
-  path = pathlib.Path(path)
+  path = resolve_model_path(path)
   cfg = read_model_config(path, **overrides)
   ckpt = Checkpoint(path)
   graphdef, state = nnx.split(abstract_model(cfg, mesh, rules))
@@ -271,9 +274,10 @@ def save_hf_model(model: Decoder, out_dir: os.PathLike, *, tokenizer_dir: Option
 
 
 def load_tokenizer(path: os.PathLike):
-  """The tokenizer (with its chat template) stored beside the weights, via transformers."""
+  """The tokenizer (with its chat template) stored beside the weights, via transformers; `path`
+  may be a `.gguf` file (models/gguf_io.py converts it once)."""
   from transformers import AutoTokenizer
-  path = pathlib.Path(path)
+  path = resolve_model_path(path)
   _check_model_dir(path)
   if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
     raise PathNotFoundError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json)")

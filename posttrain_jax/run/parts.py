@@ -27,6 +27,7 @@ from posttrain_jax.graders import make_grader
 from posttrain_jax.learner import Learner, abstract_train_state
 from posttrain_jax.losses import get_loss
 from posttrain_jax.models import hf_io
+from posttrain_jax.models.gguf_io import resolve_model_path
 from posttrain_jax.models.tiny import build_tiny_model
 from posttrain_jax.run import checks
 from posttrain_jax.run.inputs import required
@@ -40,7 +41,7 @@ class Parts:
 
   def __init__(self, cfg, log: Callable[[str], None]):
     self.cfg, self.log = cfg, log
-    self.model_dir = (pathlib.Path(cfg.model.path) if cfg.model.path
+    self.model_dir = (resolve_model_path(cfg.model.path) if cfg.model.path
                       else build_tiny_model(cfg.model.tiny))
     self.tokenizer = hf_io.load_tokenizer(self.model_dir)
     self.model_cfg = hf_io.read_model_config(self.model_dir)
