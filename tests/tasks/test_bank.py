@@ -336,7 +336,7 @@ def test_other_load_errors(tmp_path, data_dir):
 
 
 def test_config_errors_name_the_field():
-  with pytest.raises(TaskBankError, match="registered sources: .*hf_disk, jsonl, parquet, "
+  with pytest.raises(TaskBankError, match="registered sources: .*hf_disk, .*jsonl, parquet, "
                                          ".*synthetic"):
     TaskBankConfig(source="csv", path="x.csv")
   assert {"hf_disk", "jsonl", "parquet", "synthetic"} <= set(SOURCES.names())   # and any added

@@ -1,0 +1,180 @@
+"""Task source and grader "reasoning_gym": the procedural datasets of the `reasoning-gym`
+package (pip install reasoning-gym), scored by each dataset's own `score_answer`.
+
+    --config.tasks.dataset=reasoning_gym:basic_arithmetic --config.grader=reasoning_gym
+
+`TaskBankConfig.dataset_config` (a dict) is passed to the dataset's config class
+(`reasoning_gym.create_dataset(name, seed=, size=, **options)`), except the key
+`system_prompt`: the name of one of reasoning-gym's own SYSTEM_PROMPTS ("default": think step
+by step, then the answer in `<answer>...</answer>`; None or "" for no system turn).
+
+Split by seed. The held-out tasks are rows 0..n-1 of the dataset made with seed
+`cfg.seed + EVAL_SEED` (n = eval_size, default 256). The training tasks are the rows of the
+dataset made with seed `cfg.seed`, `synthetic_size` of them (default 100,000); a training row
+whose question is also a held-out question is replaced by the row `size` further on (and so
+on), so no held-out question is ever trained on. A dataset whose problem space is too small
+for that is an error naming it.
+
+Grader: reasoning-gym's `extract_answer` takes the last `<answer>` tag of the completion; no
+tag scores 0 with `parse_ok=False` and the reason. Otherwise the reward is the dataset's
+`score_answer(answer, entry)` in [0, 1] (some datasets give partial credit), the entry being
+the task's row regenerated from its dataset, seed and index (task.metadata["reasoning_gym"]).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any, Optional
+
+from posttrain_jax.graders import GradeResult, GraderError, register_grader
+from posttrain_jax.tasks.bank import TaskBankConfig, TaskBankError, register_task_source
+from posttrain_jax.tasks.task import Task
+
+EVAL_SEED = 1_000_003       # held-out seed offset
+DEFAULT_SIZE = 100_000      # training rows when synthetic_size is None
+_TRIES = 64                 # rows tried per training index before the problem space is too small
+
+
+def _package():
+  try:
+    import reasoning_gym
+  except ImportError:
+    raise TaskBankError("the reasoning_gym task source needs the reasoning-gym package "
+                        "(pip install reasoning-gym)") from None
+  return reasoning_gym
+
+
+def _split_name(cfg: TaskBankConfig) -> str:
+  name = (cfg.dataset or "").partition(":")[2]
+  if not name:
+    raise TaskBankError("the reasoning_gym task source needs a dataset name: "
+                        "TaskBankConfig.dataset='reasoning_gym:<name>', e.g. "
+                        "'reasoning_gym:basic_arithmetic'")
+  return name
+
+
+def _options(cfg: TaskBankConfig) -> tuple[Optional[str], dict]:
+  opts = dict(cfg.dataset_config or {})
+  if not isinstance(cfg.dataset_config or {}, dict):
+    raise TaskBankError(f"TaskBankConfig.dataset_config must be a dict for reasoning_gym, got "
+                        f"{type(cfg.dataset_config).__name__}")
+  return opts.pop("system_prompt", "default"), opts
+
+
+@functools.lru_cache(maxsize=64)
+def _dataset(name: str, options_json: str, seed: int, size: int):
+  rg = _package()
+  from reasoning_gym.factory import DATASETS
+  if name not in DATASETS:
+    raise TaskBankError(f"reasoning_gym has no dataset {name!r}; it has {len(DATASETS)}, e.g. "
+                        f"{', '.join(sorted(DATASETS)[:8])}, ...")
+  try:
+    return rg.create_dataset(name, seed=seed, size=size, **json.loads(options_json))
+  except (TypeError, ValueError, AssertionError) as e:
+    raise TaskBankError(f"reasoning_gym dataset {name!r} refuses its config "
+                        f"{options_json}: {e}") from None
+
+
+def _system(prompt_name: Optional[str]) -> Optional[str]:
+  if not prompt_name:
+    return None
+  from reasoning_gym.utils import SYSTEM_PROMPTS
+  if prompt_name not in SYSTEM_PROMPTS:
+    raise TaskBankError(f"reasoning_gym has no system prompt {prompt_name!r}; it has "
+                        f"{', '.join(SYSTEM_PROMPTS)}")
+  return SYSTEM_PROMPTS[prompt_name]
+
+
+class ReasoningGymSource:
+  """Random access to a reasoning-gym dataset's rows as Tasks (module docstring)."""
+
+  def __init__(self, cfg: TaskBankConfig, seed: int, size: int,
+               avoid: frozenset[str] = frozenset()):
+    self.name = _split_name(cfg)
+    prompt_name, opts = _options(cfg)
+    self.options_json = json.dumps(opts, sort_keys=True)
+    self.system = _system(prompt_name)
+    self.seed, self.size, self.avoid = seed, size, avoid
+    self.ds = _dataset(self.name, self.options_json, seed, size * _TRIES)
+
+  def __len__(self) -> int:
+    return self.size
+
+  def __getitem__(self, index: int) -> Task:
+    for k in range(_TRIES):
+      row = int(index) + k * self.size
+      entry = self.ds[row]
+      if entry["question"] not in self.avoid:
+        return self._task(row, entry)
+    raise TaskBankError(f"reasoning_gym:{self.name}: {_TRIES} rows in a row are held-out "
+                        "questions; its problem space is too small for this held-out set")
+
+  def _task(self, row: int, entry: dict) -> Task:
+    messages = ([{"role": "system", "content": self.system}] if self.system else [])
+    messages.append({"role": "user", "content": entry["question"]})
+    ref = {"dataset": self.name, "options": self.options_json, "seed": self.seed,
+           "size": self.size * _TRIES, "index": row}
+    return Task(id=f"rg:{self.name}:{self.seed}:{row}", prompt=messages,
+                answer=str(entry["answer"]), metadata={"reasoning_gym": ref,
+                                                     "solution": f"<answer>{entry['answer']}</answer>"})
+
+  def __repr__(self) -> str:
+    return f"ReasoningGymSource({self.name!r}, seed={self.seed}, rows={self.size})"
+
+
+def _eval_source(cfg: TaskBankConfig, n: int) -> ReasoningGymSource:
+  return ReasoningGymSource(cfg, seed=cfg.seed + EVAL_SEED, size=n)
+
+
+def _eval_tasks(cfg: TaskBankConfig, n: int) -> list[Task]:
+  src = _eval_source(cfg, n)
+  return [src[i] for i in range(n)]
+
+
+@register_task_source("reasoning_gym", reads_path=False, eval_tasks=_eval_tasks)
+def _open(cfg: TaskBankConfig, path: Optional[str] = None,
+          eval_fraction: float = 0.0) -> ReasoningGymSource:
+  del path, eval_fraction
+  n = 256 if cfg.eval_size is None else cfg.eval_size
+  held = _eval_source(cfg, n)
+  avoid = frozenset(held.ds[i]["question"] for i in range(n))
+  return ReasoningGymSource(cfg, seed=cfg.seed, size=cfg.synthetic_size or DEFAULT_SIZE,
+                            avoid=avoid)
+
+
+# ----------------------------------------------------------------------------------------------
+# The grader: the dataset's own scorer.
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningGymGraderConfig:
+  """Config of the "reasoning_gym" grader."""
+  tag: str = "answer"           # the tag reasoning-gym's extract_answer reads
+
+
+def _entry(task: Task) -> tuple[Any, dict]:
+  ref = task.metadata.get("reasoning_gym")
+  if not isinstance(ref, dict):
+    raise GraderError(f"task {task.id!r} is not a reasoning_gym task (no "
+                      "metadata['reasoning_gym'])")
+  ds = _dataset(ref["dataset"], ref["options"], ref["seed"], ref["size"])
+  entry = ds[ref["index"]]
+  if str(entry["answer"]) != task.answer:
+    raise GraderError(f"task {task.id!r}: its row regenerates with answer {entry['answer']!r}, "
+                      f"the task says {task.answer!r} (another reasoning-gym version?)")
+  return ds, entry
+
+
+@register_grader("reasoning_gym", ReasoningGymGraderConfig)
+def reasoning_gym_grader(completion: str, task: Task,
+                         cfg: ReasoningGymGraderConfig = ReasoningGymGraderConfig()
+                         ) -> GradeResult:
+  """The dataset's own `score_answer` of the last `<answer>` tag's text."""
+  from reasoning_gym.utils import extract_answer
+  ds, entry = _entry(task)
+  answer = extract_answer(completion, tag_name=cfg.tag)
+  if answer is None:
+    return GradeResult(0.0, {"parse_ok": False,
+                             "reason": f"no <{cfg.tag}>...</{cfg.tag}> in the completion"})
+  score = float(ds.score_answer(answer=answer, entry=entry))
+  return GradeResult(score, {"parse_ok": True, "extracted": answer})
