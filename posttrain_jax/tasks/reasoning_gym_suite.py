@@ -4,9 +4,13 @@ package (pip install reasoning-gym), scored by each dataset's own `score_answer`
     --config.tasks.dataset=reasoning_gym:basic_arithmetic --config.grader=reasoning_gym
 
 `TaskBankConfig.dataset_config` (a dict) is passed to the dataset's config class
-(`reasoning_gym.create_dataset(name, seed=, size=, **options)`), except the key
-`system_prompt`: the name of one of reasoning-gym's own SYSTEM_PROMPTS ("default": think step
-by step, then the answer in `<answer>...</answer>`; None or "" for no system turn).
+(`reasoning_gym.create_dataset(name, seed=, size=, **options)`), except two keys of ours:
+`system_prompt`, the name of one of reasoning-gym's own SYSTEM_PROMPTS ("default": think step
+by step, then the answer in `<answer>...</answer>`; None or "" for no system turn), and
+`shots` (default 0): that many worked examples before the question, each a user turn with a
+row of the same dataset (seed `cfg.seed + SHOT_SEED`, never a held-out question) and an
+assistant turn `<answer>{its answer}</answer>`. A small model that never writes the tag when
+told to (SmolLM2-135M-Instruct: none of its replies) copies it from two examples.
 
 Split by seed. The held-out tasks are rows 0..n-1 of the dataset made with seed
 `cfg.seed + EVAL_SEED` (n = eval_size, default 256). The training tasks are the rows of the
@@ -32,6 +36,7 @@ from posttrain_jax.tasks.bank import TaskBankConfig, TaskBankError, register_tas
 from posttrain_jax.tasks.task import Task
 
 EVAL_SEED = 1_000_003       # held-out seed offset
+SHOT_SEED = 2_000_003       # worked examples' seed offset
 DEFAULT_SIZE = 100_000      # training rows when synthetic_size is None
 _TRIES = 64                 # rows tried per training index before the problem space is too small
 
@@ -54,12 +59,16 @@ def _split_name(cfg: TaskBankConfig) -> str:
   return name
 
 
-def _options(cfg: TaskBankConfig) -> tuple[Optional[str], dict]:
-  opts = dict(cfg.dataset_config or {})
+def _options(cfg: TaskBankConfig) -> tuple[Optional[str], int, dict]:
   if not isinstance(cfg.dataset_config or {}, dict):
     raise TaskBankError(f"TaskBankConfig.dataset_config must be a dict for reasoning_gym, got "
                         f"{type(cfg.dataset_config).__name__}")
-  return opts.pop("system_prompt", "default"), opts
+  opts = dict(cfg.dataset_config or {})
+  shots = opts.pop("shots", 0)
+  if not isinstance(shots, int) or shots < 0:
+    raise TaskBankError(f"TaskBankConfig.dataset_config['shots'] must be an int >= 0, got "
+                        f"{shots!r}")
+  return opts.pop("system_prompt", "default"), shots, opts
 
 
 @functools.lru_cache(maxsize=64)
@@ -90,12 +99,12 @@ class ReasoningGymSource:
   """Random access to a reasoning-gym dataset's rows as Tasks (module docstring)."""
 
   def __init__(self, cfg: TaskBankConfig, seed: int, size: int,
-               avoid: frozenset[str] = frozenset()):
+               avoid: frozenset[str] = frozenset(), examples: tuple = ()):
     self.name = _split_name(cfg)
-    prompt_name, opts = _options(cfg)
+    prompt_name, _, opts = _options(cfg)
     self.options_json = json.dumps(opts, sort_keys=True)
     self.system = _system(prompt_name)
-    self.seed, self.size, self.avoid = seed, size, avoid
+    self.seed, self.size, self.avoid, self.examples = seed, size, avoid, examples
     self.ds = _dataset(self.name, self.options_json, seed, size * _TRIES)
 
   def __len__(self) -> int:
@@ -112,6 +121,7 @@ class ReasoningGymSource:
 
   def _task(self, row: int, entry: dict) -> Task:
     messages = ([{"role": "system", "content": self.system}] if self.system else [])
+    messages += [dict(m) for m in self.examples]
     messages.append({"role": "user", "content": entry["question"]})
     ref = {"dataset": self.name, "options": self.options_json, "seed": self.seed,
            "size": self.size * _TRIES, "index": row}
@@ -123,12 +133,25 @@ class ReasoningGymSource:
     return f"ReasoningGymSource({self.name!r}, seed={self.seed}, rows={self.size})"
 
 
-def _eval_source(cfg: TaskBankConfig, n: int) -> ReasoningGymSource:
-  return ReasoningGymSource(cfg, seed=cfg.seed + EVAL_SEED, size=n)
+def _held_out(cfg: TaskBankConfig, n: int) -> tuple[frozenset[str], tuple]:
+  """The held-out questions and the worked examples (message pairs) every prompt starts with."""
+  held = ReasoningGymSource(cfg, seed=cfg.seed + EVAL_SEED, size=n)
+  questions = frozenset(held.ds[i]["question"] for i in range(n))
+  shots = _options(cfg)[1]
+  if not shots:
+    return questions, ()
+  pool = ReasoningGymSource(cfg, seed=cfg.seed + SHOT_SEED, size=shots, avoid=questions)
+  examples = []
+  for i in range(shots):
+    task = pool[i]
+    examples += [task.messages[-1],
+                 {"role": "assistant", "content": f"<answer>{task.answer}</answer>"}]
+  return questions, tuple(examples)
 
 
 def _eval_tasks(cfg: TaskBankConfig, n: int) -> list[Task]:
-  src = _eval_source(cfg, n)
+  _, examples = _held_out(cfg, n)
+  src = ReasoningGymSource(cfg, seed=cfg.seed + EVAL_SEED, size=n, examples=examples)
   return [src[i] for i in range(n)]
 
 
@@ -136,11 +159,9 @@ def _eval_tasks(cfg: TaskBankConfig, n: int) -> list[Task]:
 def _open(cfg: TaskBankConfig, path: Optional[str] = None,
           eval_fraction: float = 0.0) -> ReasoningGymSource:
   del path, eval_fraction
-  n = 256 if cfg.eval_size is None else cfg.eval_size
-  held = _eval_source(cfg, n)
-  avoid = frozenset(held.ds[i]["question"] for i in range(n))
+  avoid, examples = _held_out(cfg, 256 if cfg.eval_size is None else cfg.eval_size)
   return ReasoningGymSource(cfg, seed=cfg.seed, size=cfg.synthetic_size or DEFAULT_SIZE,
-                            avoid=avoid)
+                            avoid=avoid, examples=examples)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from tests.support.runs import load_config
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # the distillation modes, and the older training configs beside them
 CONFIGS = ["sdpo.py", "sdpo.py:warmstart", "opsd.py", "distill_mix.py", "byoh_feedback.py",
-           "default.py", "byoh.py", "byoh.py:online", "tool_math.py"]
+           "default.py", "byoh.py", "byoh.py:online", "tool_math.py", "smollm2.py",
+           "smollm2.py:vllm"]
 
 
 

@@ -84,3 +84,19 @@ def test_mistakes_are_one_error_naming_them(monkeypatch):
   reasoning_gym_suite._dataset.cache_clear()
   with pytest.raises(UserError, match=r"needs the reasoning-gym package \(pip install"):
     _bank("gcd")
+
+
+def test_worked_examples_come_first_and_are_never_held_out():
+  bank = _bank("gcd", eval_size=20, dataset_config={"shots": 2, "system_prompt": None})
+  held = bank.eval_tasks()
+  train = next(bank.iterator())
+  examples = held[0].messages[:4]
+  assert [m["role"] for m in examples] == ["user", "assistant"] * 2
+  assert all(t.messages[:4] == examples for t in held) and train.messages[:4] == examples
+  for q, a in zip(examples[::2], examples[1::2]):
+    entry = next(e for e in rg.create_dataset("gcd", seed=2_000_003, size=64)
+                 if e["question"] == q["content"])
+    assert a["content"] == f"<answer>{entry['answer']}</answer>"
+    assert q["content"] not in {t.messages[-1]["content"] for t in held}
+  with pytest.raises(UserError, match="shots'\\] must be an int >= 0"):
+    _bank("gcd", dataset_config={"shots": -1})
