@@ -47,7 +47,10 @@ Measured (2026-12-06, this 2-core CPU, benchmarks/results/smollm2_run/): held-ou
 0.297 -> 0.352 at step 25 and 0.352 at step 50 (22.9 min; sampled training reward 0.21 over
 the first 10 steps, 0.42 over the last 10). Not the +0.10 aimed for: from step ~19 most groups
 have all 8 samples equally graded (zero_var_group_frac 0.75-1.0), so they carry no GRPO signal.
-At lr 1e-5 the same happened sooner (1.0 by step 20; 0.352 at step 25 too).
+At lr 1e-5 the same happened sooner (1.0 by step 20; 0.352 at step 25 too). With
+`--config.rl.engine=vllm` (vLLM-CPU beside the learner): 0.340 -> 0.352 in 21.1 min; its greedy
+start differs from the embedded sampler's (0.340 vs 0.297 on the same 256 tasks: near-tied
+digit logits decoded by other kernels), and its three held-out evals took 48 s against 269 s.
 """
 import importlib.util
 import pathlib
