@@ -14,6 +14,9 @@ imported on the first lookup, so a new source is one file there):
 * "hf_disk": a Hugging Face `datasets` Dataset or DatasetDict written with `save_to_disk`
   (read with `load_from_disk`; pick the split of a DatasetDict with `hf_split`).
 * "synthetic": a generator from `synthetic.GENERATORS` ("arithmetic", "countdown").
+* peers' task suites, each in its own file with its grader, chosen by `dataset=
+  "<source>:<name>"`: "reasoning_gym" (reasoning_gym_suite.py), "humaneval", "bfcl"; a suite
+  held in memory registers with `register_split_source(name, split)`.
 A source that reads a file (`reads_path`) holds its rows out by hash or takes a separate
 `eval_path`; one that generates its tasks (`reads_path=False`) gives its held-out tasks itself
 (`eval_tasks(cfg, n)`).
