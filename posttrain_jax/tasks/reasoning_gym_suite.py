@@ -173,13 +173,19 @@ class ReasoningGymGraderConfig:
   tag: str = "answer"           # the tag reasoning-gym's extract_answer reads
 
 
+@functools.lru_cache(maxsize=4096)
+def _row(name: str, options_json: str, seed: int, size: int, index: int) -> dict:
+  """A dataset row, generated once for the group of completions that are graded against it."""
+  return _dataset(name, options_json, seed, size)[index]
+
+
 def _entry(task: Task) -> tuple[Any, dict]:
   ref = task.metadata.get("reasoning_gym")
   if not isinstance(ref, dict):
     raise GraderError(f"task {task.id!r} is not a reasoning_gym task (no "
                       "metadata['reasoning_gym'])")
-  ds = _dataset(ref["dataset"], ref["options"], ref["seed"], ref["size"])
-  entry = ds[ref["index"]]
+  key = (ref["dataset"], ref["options"], ref["seed"], ref["size"])
+  ds, entry = _dataset(*key), _row(*key, ref["index"])
   if str(entry["answer"]) != task.answer:
     raise GraderError(f"task {task.id!r}: its row regenerates with answer {entry['answer']!r}, "
                       f"the task says {task.answer!r} (another reasoning-gym version?)")
