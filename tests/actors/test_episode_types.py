@@ -98,5 +98,6 @@ def test_a_registered_episode_type_runs_in_both_sources(tmp_path, mode):
   rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "reward/mean" in r]
   assert len(rows) == 2 and all(r["skipped_update"] == 0.0 for r in rows)
   assert all(r["response_len/mean"] > 0 for r in rows)
-  evals = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "eval/accuracy_greedy" in r]
-  assert evals and all(r["eval/accuracy_greedy/turns"] == 2.0 for r in evals)   # its own eval
+  # tiny_run evaluates sampled only (eval.greedy=False): the episode's own eval reports `turns`
+  evals = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "eval/accuracy" in r]
+  assert evals and all(r["eval/accuracy/turns"] == 2.0 for r in evals)   # its own eval
