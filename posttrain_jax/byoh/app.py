@@ -1,14 +1,17 @@
 """The FastAPI routes of the proxy (server.py has the serving logic) and `serve()`.
 
-Every error a client can cause is a 4xx with an OpenAI-style body; an unknown route is a 404 in
-the same shape; only our own failures (the engine) are 5xx. Streaming answers are server-sent
-events: a role chunk at once, then the content, the tool calls, a final chunk with the finish
-reasons, the usage chunk when `stream_options.include_usage`, and `data: [DONE]`. The content is
-sent while it is sampled where the engine streams (`stream`: the embedded sampler, a few decode
-steps at a time; server.StreamText says which text is sure to stay), else -- and when tool calls
-must first be parsed out of the whole text -- once decoded, a chunk per token. A stream the client leaves early records its call as incomplete. The policy
-version that answered is in `system_fingerprint` ("posttrain_jax-v<version>"; streams: the final
-chunk) and, for whole answers, the `X-Policy-Version` header.
+Every error a client can cause is a 4xx with an OpenAI-style body (Anthropic's on /v1/messages);
+an unknown route is a 404 in the same shape; only our own failures (the engine) are 5xx. The
+Responses API and Anthropic's Messages API are served by dialects.py.
+
+Chat streaming answers are server-sent events: a role chunk at once, then the content, the tool
+calls, a final chunk with the finish reasons, the usage chunk when `stream_options.include_usage`,
+and `data: [DONE]`. The content is sent while it is sampled where the engine streams (`stream`: the
+embedded sampler, a few decode steps at a time; server.StreamText says which text is sure to stay),
+else -- and when tool calls must first be parsed out of the whole text -- once decoded, a chunk per
+token. A stream the client leaves early records its call as incomplete. The policy version that
+answered is in `system_fingerprint` ("posttrain_jax-v<version>"; streams: the final chunk) and, for
+whole answers, the `X-Policy-Version` header.
 """
 from __future__ import annotations
 
@@ -22,14 +25,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from posttrain_jax.byoh import json_text
+from posttrain_jax.byoh import dialects, json_text, messages_api, responses_api
 from posttrain_jax.byoh import openai_api as api
 from posttrain_jax.byoh.server import Proxy
 from posttrain_jax.engines.base import EngineError
 from posttrain_jax.errors import DiskWriteError
 
 
-def _error(e: api.ApiError) -> JSONResponse:
+def _error(e: api.ApiError, request: Optional[Request] = None) -> JSONResponse:
+  """`e` in the shape of the API the request spoke (Anthropic's on /v1/messages)."""
+  if request is not None and request.url.path == "/v1/messages":
+    return JSONResponse(messages_api.error_body(e), status_code=e.status)
   return JSONResponse(e.body(), status_code=e.status)
 
 
@@ -55,22 +61,23 @@ def build_app(proxy: Proxy) -> FastAPI:
   limit = proxy.cfg.max_request_bytes
 
   @app.exception_handler(api.ApiError)
-  async def _api_error(_, e: api.ApiError):
-    return _error(e)
+  async def _api_error(request, e: api.ApiError):
+    return _error(e, request)
 
   @app.exception_handler(StarletteHTTPException)
-  async def _http_error(_, e: StarletteHTTPException):
+  async def _http_error(request, e: StarletteHTTPException):
     return _error(api.ApiError(e.status_code, str(e.detail), None, "not_found"
-                               if e.status_code == 404 else None))
+                               if e.status_code == 404 else None), request)
 
   @app.exception_handler(DiskWriteError)
-  async def _disk(_, e: DiskWriteError):  # the trace store could not record: never a silent 200
-    return _error(api.ApiError(507, str(e), None, "insufficient_storage", "server_error"))
+  async def _disk(request, e: DiskWriteError):  # the store could not record: never a silent 200
+    return _error(api.ApiError(507, str(e), None, "insufficient_storage", "server_error"),
+                  request)
 
   @app.exception_handler(Exception)
-  async def _bug(_, e: Exception):  # a bug of ours: still an OpenAI-shaped body, and a 500
+  async def _bug(request, e: Exception):  # a bug of ours: still an API-shaped body, and a 500
     return _error(api.ApiError(500, f"internal error: {type(e).__name__}: {e}", None, None,
-                               "server_error"))
+                               "server_error"), request)
 
   @app.get("/health")
   async def health():
@@ -118,7 +125,7 @@ def build_app(proxy: Proxy) -> FastAPI:
     return JSONResponse(resp, headers=headers)
 
   # Plain Starlette routes: FastAPI's per-request dependency and response-model machinery,
-  # which these two do not use, is skipped on the serving path.
+  # which these routes do not use, is skipped on the serving path.
   async def chat_completions(request: Request):
     return await _complete(request, True)
 
@@ -127,6 +134,20 @@ def build_app(proxy: Proxy) -> FastAPI:
 
   app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
   app.add_route("/v1/completions", completions, methods=["POST"])
+
+  async def _dialect(request: Request, dialect):
+    tenant, session, fresh = proxy.identity(request.headers)
+    body = await _json_body(request, limit)
+    return await dialects.serve(proxy, request, dialect, body, tenant, session, fresh)
+
+  async def responses(request: Request):    # the Responses API (responses_api.py)
+    return await _dialect(request, responses_api)
+
+  async def messages(request: Request):     # Anthropic's Messages API (messages_api.py)
+    return await _dialect(request, messages_api)
+
+  app.add_route("/v1/responses", responses, methods=["POST"])
+  app.add_route("/v1/messages", messages, methods=["POST"])
 
   @app.post("/v1/sessions")
   async def new_session(request: Request):

@@ -52,7 +52,9 @@ class Request:
   prompt: Any = None              # completions: a string or a list of token ids
 
 
-def _num(body, key, lo, hi, default, kind=(int, float)):
+def number(body, key, lo, hi, default, kind=(int, float)):
+  """`body[key]` (`default` when absent or null), a number of `kind` in [lo, hi]; else a 400
+  naming `key`."""
   v = body.get(key, default)
   if v is None:
     v = default
@@ -60,6 +62,15 @@ def _num(body, key, lo, hi, default, kind=(int, float)):
     what = "an integer" if kind == (int,) else "a number"
     raise ApiError(400, f"{key} must be {what} in [{lo}, {hi}], got {v!r}", key)
   return v
+
+
+def seed_field(body: dict) -> Optional[int]:
+  """`body["seed"]`: None or an integer in [0, 2**63); else a 400."""
+  seed = body.get("seed")
+  if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                           or not 0 <= seed < 1 << 63):
+    raise ApiError(400, "seed must be an integer in [0, 2**63)", "seed")
+  return seed
 
 
 def parse_request(body: Any, *, chat: bool, models: tuple[str, ...], max_tokens_default: int,
@@ -87,18 +98,15 @@ def parse_request(body: Any, *, chat: bool, models: tuple[str, ...], max_tokens_
   if unknown:
     raise ApiError(400, f"unknown parameter {unknown[0]!r}", unknown[0], "unknown_parameter")
   mt_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-  max_tokens = _num(body, mt_key, 1, max_tokens_limit, min(max_tokens_default, max_tokens_limit),
+  max_tokens = number(body, mt_key, 1, max_tokens_limit, min(max_tokens_default, max_tokens_limit),
                     (int,))
-  temperature = _num(body, "temperature", 0, 2, 1.0)
-  top_p = _num(body, "top_p", 0, 1, 1.0)
+  temperature = number(body, "temperature", 0, 2, 1.0)
+  top_p = number(body, "top_p", 0, 1, 1.0)
   if top_p == 0:
     raise ApiError(400, "top_p must be > 0", "top_p")
-  top_k = _num(body, "top_k", -1, 1 << 20, 0, (int,))
-  n = _num(body, "n", 1, max_n, 1, (int,))
-  seed = body.get("seed")
-  if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                           or not 0 <= seed < 1 << 63):
-    raise ApiError(400, "seed must be an integer in [0, 2**63)", "seed")
+  top_k = number(body, "top_k", -1, 1 << 20, 0, (int,))
+  n = number(body, "n", 1, max_n, 1, (int,))
+  seed = seed_field(body)
   stop = body.get("stop")
   if stop is None:
     stop = ()

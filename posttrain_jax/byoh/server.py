@@ -2,6 +2,8 @@
 
     POST /v1/chat/completions      chat (streaming or not, tools, n, logprobs, seed, stop)
     POST /v1/completions           text or token-id prompts
+    POST /v1/responses             the Responses API (responses_api.py)
+    POST /v1/messages              Anthropic's Messages API (messages_api.py)
     GET  /v1/models                the served model
     POST /v1/sessions              a new session and its own API key (for harnesses that can
                                    set only a base URL and a key)
@@ -10,7 +12,8 @@
     POST /v1/sessions/{id}/feedback, /v1/sessions/{id}/calls/{call}/feedback
                                    a grade, a rubric and/or free text, any time later, idempotent
 
-Who calls: `Authorization: Bearer <key>`. A key of `ProxyConfig.api_keys` names a tenant; a
+Who calls: `Authorization: Bearer <key>` (or `x-api-key: <key>`, as Anthropic's clients send
+it; the same keys in every dialect). A key of `ProxyConfig.api_keys` names a tenant; a
 session key (from POST /v1/sessions) names a tenant and a session. With keys configured, a
 missing or unknown key is a 401; without, every caller is tenant "default". The session is the
 session key's, else the `X-Session-Id` header, else a new one per call (sent back in the
@@ -97,13 +100,14 @@ class Proxy:
     """(tenant, session, session_is_new) of a request, or an ApiError 401."""
     auth = headers.get("authorization", "")
     key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    key = key or headers.get("x-api-key", "").strip()   # what Anthropic's clients send
     bound = self.store.session_key(key) if key else None
     if bound:
       return bound[0], bound[1], False
     if self.keys:
       if not key:
-        raise api.ApiError(401, "missing API key (Authorization: Bearer <key>)", None,
-                           "invalid_api_key", "authentication_error")
+        raise api.ApiError(401, "missing API key (Authorization: Bearer <key>, or x-api-key)",
+                           None, "invalid_api_key", "authentication_error")
       if key not in self.keys:
         raise api.ApiError(401, "invalid API key", None, "invalid_api_key",
                            "authentication_error")

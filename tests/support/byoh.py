@@ -153,3 +153,45 @@ def openai_client(url, session=None, key="unused", **kw):
   return openai.OpenAI(base_url=url + "/v1", api_key=key, default_headers=headers,
                        max_retries=0, **kw)
 
+
+
+def anthropic_client(url, session=None, key="unused", **kw):
+  """The official `anthropic` client on the proxy at `url` (it sends the key as x-api-key)."""
+  import anthropic
+  headers = {"X-Session-Id": session} if session else {}
+  return anthropic.Anthropic(base_url=url, api_key=key, default_headers=headers, max_retries=0,
+                             **kw)
+
+
+def tiny_sampler():
+  """The embedded JAX sampler on the tests' tiny hermes model (a module fixture's body)."""
+  from posttrain_jax.engines.jax_sampler import JaxSampler, JaxSamplerConfig
+  from posttrain_jax.models import hf_io
+  tok = et.tokenizer("hermes")
+  return JaxSampler(hf_io.load_hf_model(et.tiny_dir("hermes")),
+                    JaxSamplerConfig(max_prompt_len=256, pad_id=tok.pad_token_id))
+
+
+def check_one_sample(url, session: str, engine, stop_id: int) -> dict:
+  """The session's calls (served by ScriptedEngine `engine`, each continuing the one before)
+  rebuild into one sample: the engine's last prompt + what it sampled, no break, every earlier
+  prompt + answer a prefix of the next prompt, mask 1 exactly on the sampled spans, each span
+  decoding byte-exactly to the text the engine sampled and its stop token. Returns it."""
+  import httpx
+  got = httpx.get(f"{url}/v1/sessions/{session}/samples").json()
+  assert not [k for k in got["stats"] if k.startswith("break/")], got["stats"]
+  (s,) = got["samples"]
+  ps, rs = engine.prompts, engine.returned
+  for p, r, nxt in zip(ps, rs, ps[1:]):
+    assert nxt[:len(p) + len(r)] == p + r          # the next prompt reused the sampled ids
+  assert s["token_ids"] == ps[-1] + rs[-1]          # trained on exactly what the engine saw
+  want = [0] * len(ps[-1]) + [1] * len(rs[-1])
+  for p, r in zip(ps, rs):
+    want[len(p):len(p) + len(r)] = [1] * len(r)
+  assert s["loss_mask"] == want
+  tok = et.tokenizer("hermes")
+  for p, r, text in zip(ps, rs, engine.texts):
+    span = s["token_ids"][len(p):len(p) + len(r)]
+    assert tok.decode(span, skip_special_tokens=False, clean_up_tokenization_spaces=False) == (
+        text + tok.decode([stop_id], skip_special_tokens=False))
+  return s
