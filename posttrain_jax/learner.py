@@ -13,6 +13,12 @@ computes dh/dW during its forward pass (6·N·D·V FLOPs for the head instead of
 Parameters are a plain nested dict (`nnx.to_pure_dict`) merged back into the model inside the
 step, so optax and orbax see ordinary pytrees. The reference model and the "old" policy's
 log-probs (multi-epoch PPO) come from `logprobs()` with other params, computed before the step.
+
+LoRA (`LearnerConfig.lora.rank` > 0, models/lora.py): the TrainState's params are the adapters
+only (so are the optimizer state and the checkpoints); the base parameters are `frozen`, an
+argument of the step the gradient is not taken of, and the forward pass sees
+`lora.join(frozen, adapters)`. `Learner.params` is always the whole dict the graph takes; the
+reference is the base with adapters off (`adapters_off`), no second copy of the weights.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from posttrain_jax.kernels import lm_head as kernels
 from posttrain_jax.losses import get_loss
 from posttrain_jax.losses.base import HeadInputs, LossSpec
+from posttrain_jax.models import lora
 from posttrain_jax.models.decoder import Decoder
 from posttrain_jax.multihost import put_global
 from posttrain_jax.types import TrainBatch, TrainState
@@ -58,7 +65,8 @@ class LearnerConfig:
   logprob_impl: str = "auto"      # LM-head kernel: auto | reference | chunked | pallas_gpu | pallas_tpu
   fused_loss: bool = True         # separable losses: gradients in the kernel's forward pass
   optimizer: OptimizerConfig = OptimizerConfig()
-  seed: int = 0                   # the TrainState rng
+  lora: lora.LoRAConfig = lora.LoRAConfig()  # low-rank adapters, base frozen (rank 0 = off)
+  seed: int = 0                   # the TrainState rng (and the adapters' initialisation)
 
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
@@ -80,18 +88,19 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
   return optax.chain(*parts)
 
 
-def _hidden_and_head(graphdef, params, batch: TrainBatch):
+def _hidden_and_head(graphdef, params, batch: TrainBatch, rng=None):
   model: Decoder = nnx.merge(graphdef, params)
   hidden, _ = model(batch.input_ids, batch.positions, batch.segment_ids,
-                    prefix_ids_bt=batch.prefix_ids)
+                    prefix_ids_bt=batch.prefix_ids, dropout_rng=rng)
   w, transposed = model.head()
   return hidden.reshape(-1, hidden.shape[-1]), w, transposed
 
 
 def token_logprobs(graphdef, params, batch: TrainBatch, *, temperature: float = 1.0,
-                   impl: str = "auto", return_entropy: bool = False):
-  """log pi(target_t) per position [B, T] (0 where loss_mask = 0); optionally the entropy."""
-  h, w, transposed = _hidden_and_head(graphdef, params, batch)
+                   impl: str = "auto", return_entropy: bool = False, rng=None):
+  """log pi(target_t) per position [B, T] (0 where loss_mask = 0); optionally the entropy.
+  `rng`: the LoRA adapters' dropout key (training); None = no dropout."""
+  h, w, transposed = _hidden_and_head(graphdef, params, batch, rng)
   out = kernels.token_logprobs(h, w, batch.target_ids.reshape(-1), temperature=temperature,
                                mask=batch.loss_mask.reshape(-1) > 0, transposed=transposed,
                                impl=impl, return_entropy=return_entropy)
@@ -108,15 +117,17 @@ def hidden_states(graphdef, params, batch: TrainBatch) -> jax.Array:
 
 
 def objective(params, batch: TrainBatch, teacher_w=None, *, graphdef, spec: LossSpec, loss_cfg,
-              cfg: LearnerConfig):
+              cfg: LearnerConfig, frozen=None, rng=None):
   """(loss * count, metrics): the quantity whose gradients add up across micro-batches.
-  `teacher_w`: a head loss's teacher head (HeadInputs.teacher_w), or None."""
+  `teacher_w`: a head loss's teacher head (HeadInputs.teacher_w), or None. `frozen`: LoRA's base
+  parameters (`params` are then the adapters), or None; `rng`: the adapters' dropout key."""
+  params = lora.join(frozen, params)
   if spec.head:   # the loss reads the distribution itself (losses/base.py, head losses)
-    h, w, transposed = _hidden_and_head(graphdef, params, batch)
+    h, w, transposed = _hidden_and_head(graphdef, params, batch, rng)
     loss, metrics = spec.fn(HeadInputs(h, w, transposed, cfg.temperature, teacher_w), batch,
                             loss_cfg)
   elif cfg.fused_loss and spec.separable:
-    h, w, transposed = _hidden_and_head(graphdef, params, batch)
+    h, w, transposed = _hidden_and_head(graphdef, params, batch, rng)
     terms = spec.token_terms(batch, loss_cfg)
     flat = jax.tree.map(lambda x: x.reshape(-1) if jnp.ndim(x) == 2 else x, terms)
     loss, logp = kernels.fused_logprob_loss(
@@ -126,7 +137,7 @@ def objective(params, batch: TrainBatch, teacher_w=None, *, graphdef, spec: Loss
     _, metrics = spec.fn(logp.reshape(batch.target_ids.shape), batch, loss_cfg)
   else:
     logp = token_logprobs(graphdef, params, batch, temperature=cfg.temperature,
-                          impl=cfg.logprob_impl)
+                          impl=cfg.logprob_impl, rng=rng)
     loss, metrics = spec.fn(logp, batch, loss_cfg)
   return loss * metrics["loss"][1], metrics
 
@@ -167,37 +178,45 @@ def split_micro_batches(batch: TrainBatch, m: int) -> TrainBatch:
 
 
 def gradients(params, batch: TrainBatch, teacher_w=None, *, graphdef, spec: LossSpec, loss_cfg,
-              cfg: LearnerConfig) -> tuple[Any, dict]:
-  """Gradient of the batch loss (normalised over all micro-batches) and summed metric pairs."""
+              cfg: LearnerConfig, frozen=None, rng=None) -> tuple[Any, dict]:
+  """Gradient of the batch loss (normalised over all micro-batches) w.r.t. `params` (with
+  `frozen`: LoRA's adapters, the base held fixed) and summed metric pairs. `rng`: the adapters'
+  dropout key (micro-batch k uses fold_in(rng, k)), or None."""
   grad_fn = jax.value_and_grad(
-      lambda p, b: objective(p, b, teacher_w, graphdef=graphdef, spec=spec, loss_cfg=loss_cfg,
-                             cfg=cfg), has_aux=True)
+      lambda p, b, r: objective(p, b, teacher_w, graphdef=graphdef, spec=spec, loss_cfg=loss_cfg,
+                                cfg=cfg, frozen=frozen, rng=r), has_aux=True)
   if cfg.micro_batches == 1:
-    (_, metrics), grads = grad_fn(params, batch)
+    (_, metrics), grads = grad_fn(params, batch, rng)
   else:
     micro = split_micro_batches(batch, cfg.micro_batches)
     first = jax.tree.map(lambda x: x[0], micro)
-    _, metric_shape = jax.eval_shape(lambda p, b: grad_fn(p, b)[0], params, first)
+    _, metric_shape = jax.eval_shape(lambda p, b: grad_fn(p, b, rng)[0], params, first)
+    keys = (None if rng is None else
+            jax.vmap(lambda k: jax.random.fold_in(rng, k))(jnp.arange(cfg.micro_batches)))
 
-    def body(carry, mb):
+    def body(carry, xs):
       g_acc, m_acc = carry
-      (_, metrics), g = grad_fn(params, mb)
+      mb, key = xs
+      (_, metrics), g = grad_fn(params, mb, key)
       return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, m_acc, metrics)), None
 
     zeros = (jax.tree.map(jnp.zeros_like, params),
              jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shape))
-    (grads, metrics), _ = jax.lax.scan(body, zeros, micro)
+    (grads, metrics), _ = jax.lax.scan(body, zeros, (micro, keys))
   count = metrics["loss"][1]
   grads = jax.tree.map(lambda g: jnp.where(count > 0, g / jnp.maximum(count, 1e-12), 0.0), grads)
   return grads, metrics
 
 
-def train_step(state: TrainState, batch: TrainBatch, teacher_w=None, *, graphdef,
+def train_step(state: TrainState, batch: TrainBatch, teacher_w=None, frozen=None, *, graphdef,
                tx: optax.GradientTransformation, spec: LossSpec, loss_cfg,
                cfg: LearnerConfig) -> tuple[TrainState, dict]:
-  """One optimizer update from `batch` (pure; `Learner` jits it with donated state)."""
+  """One optimizer update from `batch` (pure; `Learner` jits it with donated state).
+  `frozen`: LoRA's base parameters (state.params are the adapters), else None."""
+  rng = (jax.random.split(state.rng)[0] if cfg.lora.enabled and cfg.lora.dropout > 0
+         else None)   # distinct from the next state's rng, fold_in(rng, step)
   grads, metrics = gradients(state.params, batch, teacher_w, graphdef=graphdef, spec=spec,
-                             loss_cfg=loss_cfg, cfg=cfg)
+                             loss_cfg=loss_cfg, cfg=cfg, frozen=frozen, rng=rng)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   out = {k: s / jnp.maximum(c, 1e-12) for k, (s, c) in metrics.items()}
@@ -225,11 +244,8 @@ def optimizer_shardings(tx: optax.GradientTransformation, params, mesh: Optional
                                transform_non_params=lambda v: jax.tree.map(lambda _: rep, v))
 
 
-def abstract_train_state(model: Decoder, cfg: LearnerConfig,
-                         mesh: Optional[Mesh] = None) -> TrainState:
-  """The TrainState a `Learner(model, cfg, mesh=mesh)` would hold, as ShapeDtypeStructs with
-  their shardings; `model` may be abstract (`hf_io.abstract_model`). Nothing is allocated: this
-  is the restore target of a checkpoint."""
+def _abstract_params(model: Decoder, mesh: Optional[Mesh]) -> dict:
+  """`model`'s parameters as ShapeDtypeStructs with their shardings (a pure dict)."""
   from posttrain_jax.models.hf_io import param_shardings
   _, params = nnx.split(model, nnx.Param)
   nested: dict = {}
@@ -238,8 +254,30 @@ def abstract_train_state(model: Decoder, cfg: LearnerConfig,
     for k in path[:-1]:
       d = d.setdefault(k, {})
     d[path[-1]] = sharding
-  params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                        nnx.to_pure_dict(params), nested)
+  return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                      nnx.to_pure_dict(params), nested)
+
+
+def abstract_frozen(model: Decoder, cfg: LearnerConfig, mesh: Optional[Mesh] = None):
+  """The frozen base a LoRA `Learner(model, cfg, mesh=mesh)` holds, as ShapeDtypeStructs with
+  their shardings (in LoRAConfig.base_dtype); None without LoRA."""
+  if not cfg.lora.enabled:
+    return None
+  dtype = jnp.dtype(cfg.lora.base_dtype)
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype, sharding=a.sharding),
+                      _abstract_params(model, mesh))
+
+
+def abstract_train_state(model: Decoder, cfg: LearnerConfig,
+                         mesh: Optional[Mesh] = None) -> TrainState:
+  """The TrainState a `Learner(model, cfg, mesh=mesh)` would hold, as ShapeDtypeStructs with
+  their shardings; `model` may be abstract (`hf_io.abstract_model`). Nothing is allocated: this
+  is the restore target of a checkpoint. With LoRA the params are the adapters alone."""
+  if cfg.lora.enabled:
+    _, adapters, _ = lora.attach(model, cfg.lora)
+    params = lora.abstract_adapters(adapters, mesh, model.rules)
+  else:
+    params = _abstract_params(model, mesh)
   rep = _replicated(mesh)
   tx = make_optimizer(cfg.optimizer)
   opt_state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
@@ -254,7 +292,8 @@ class Learner:
   """Holds the jitted step and shardings; `step(batch)` returns host metrics.
 
   With `state` (e.g. restored from a checkpoint into `abstract_train_state`), `model` only
-  provides the graph (it may be abstract) and no initial state is built.
+  provides the graph (it may be abstract) and no initial state is built. With LoRA, `model`
+  provides the frozen base too (so it must hold weights), and `state` the adapters.
   """
 
   def __init__(self, model: Decoder, cfg: LearnerConfig, loss_cfg=None,
@@ -266,11 +305,22 @@ class Learner:
       raise TypeError(f"loss {cfg.loss!r} takes a {self.spec.config_cls.__name__}, got "
                       f"{type(self.loss_cfg).__name__}")
     self.mesh = mesh
-    self.graphdef, params = nnx.split(model, nnx.Param)
+    self.frozen = None   # LoRA: the base parameters (never updated); None: all of them train
+    if cfg.lora.enabled:
+      self.graphdef, params, base = lora.attach(model, cfg.lora)
+      if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(base)):
+        raise ValueError("a LoRA learner (LearnerConfig.lora.rank > 0) needs the base weights: "
+                         "pass a loaded model (hf_io.load_hf_model), not an abstract one")
+      self.frozen = lora.cast_base(base, cfg.lora.base_dtype)
+      del base
+      if state is None:
+        params = lora.init_adapters(params, cfg.seed, mesh, model.rules)
+    else:
+      self.graphdef, params = nnx.split(model, nnx.Param)
+      params = nnx.to_pure_dict(params)
     self.tx = make_optimizer(cfg.optimizer)
     self.schedule = learning_rate_schedule(cfg.optimizer)
     if state is None:
-      params = nnx.to_pure_dict(params)
       opt_state = jax.jit(self.tx.init,
                           out_shardings=optimizer_shardings(self.tx, params, mesh))(params)
       state = TrainState(params=params, opt_state=opt_state,
@@ -306,7 +356,17 @@ class Learner:
 
   @property
   def params(self):
-    return self.state.params
+    """The whole parameter dict the graph takes (with LoRA: the base joined with the adapters,
+    no copy)."""
+    return lora.join(self.frozen, self.state.params)
+
+  def adapters_off(self):
+    """The parameters of the base model alone, for the reference policy and frozen teachers:
+    with LoRA the base with its adapters at zero (no copy of the base); without, a copy of the
+    current parameters (the learner donates its own buffers at every step)."""
+    if self.frozen is None:
+      return jax.tree.map(jnp.copy, self.state.params)
+    return lora.join(self.frozen, lora.disabled(self.state.params))
 
   @property
   def row_multiple(self) -> int:
@@ -323,8 +383,10 @@ class Learner:
     return int(self.state.step)
 
   def model(self) -> Decoder:
-    """The current model (shares the learner's arrays; do not keep across steps)."""
-    return nnx.merge(self.graphdef, self.state.params)
+    """The current model (shares the learner's arrays; do not keep across steps). With LoRA it
+    carries the adapters; hf_io.save_hf_model exports it merged, peft_io.save_peft_adapter its
+    adapters."""
+    return nnx.merge(self.graphdef, self.params)
 
   def put_batch(self, batch: TrainBatch) -> TrainBatch:
     """Moves a host batch onto the mesh: rows split over the data axes.
@@ -360,18 +422,18 @@ class Learner:
   def logprobs(self, batch: TrainBatch, params=None) -> np.ndarray:
     """Per-token log-probs [B, T] of `batch.target_ids` under `params` (default: current), on
     the host (several processes: this process's rows)."""
-    out = self._logprobs(self.state.params if params is None else params, self.put_batch(batch))
+    out = self._logprobs(self.params if params is None else params, self.put_batch(batch))
     return self.local_rows(out)
 
   def hidden(self, batch: TrainBatch, params=None) -> np.ndarray:
     """The final hidden states [B, T, D] of `batch` under `params` (default: current), on the
     host (several processes: this process's rows)."""
-    return self.local_rows(self._hidden(self.state.params if params is None else params,
+    return self.local_rows(self._hidden(self.params if params is None else params,
                                         self.put_batch(batch)))
 
   def step(self, batch: TrainBatch, teacher_w=None) -> dict[str, float]:
     """One update; `teacher_w`: a head loss's teacher head (an EMA teacher's), else None."""
-    self.state, metrics = self._step(self.state, self.put_batch(batch), teacher_w)
+    self.state, metrics = self._step(self.state, self.put_batch(batch), teacher_w, self.frozen)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     metrics["lr"] = float(self.schedule(self.step_count - 1))
     return metrics

@@ -1,7 +1,8 @@
 """Device mesh, logical-axis rules, and sharding helpers.
 
 Parameters and key activations carry *logical* axis names (``"embed"``, ``"mlp"``,
-``"heads"``, ``"vocab"``, ``"batch"`` ...). One rules table maps each logical name to a mesh
+``"heads"``, ``"vocab"``, ``"batch"`` ...; a LoRA adapter the projection's own axis and
+``"lora_rank"``). One rules table maps each logical name to a mesh
 axis (or a tuple of mesh axes, or None for replicated). Models never name mesh axes.
 
 The mesh has three axes: ``data`` (pure data parallel: replicated params), ``fsdp`` (data
@@ -32,6 +33,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("mlp", "tensor"),
     ("norm", None),
     ("head_dim", None),
+    ("lora_rank", None),   # LoRA adapters' inner dimension r (models/lora.py): small, replicated
     # activations
     ("batch", ("data", "fsdp")),
     ("length", None),

@@ -16,6 +16,9 @@ written at `cache.index`.
 Module and parameter names mirror HF's checkpoint names (`model.layers.3.self_attn.q_proj`),
 so HF I/O is a mechanical rename plus a transpose of each `kernel` ([in, out] here,
 [out, in] in HF). Every parameter carries its logical axes as metadata (`axes=`).
+
+A projection may carry LoRA adapters (models/lora.py attaches them): y = x W + s·dropout(x) A B.
+`dropout_rng` (training only) is split per layer and per projection; None = no dropout.
 """
 from __future__ import annotations
 
@@ -61,8 +64,15 @@ def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
   return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
+def _keys(rng: Optional[jax.Array], n: int) -> tuple:
+  """n independent keys from `rng`, or n Nones without one."""
+  return (None,) * n if rng is None else tuple(jax.random.split(rng, n))
+
+
 class Linear(nnx.Module):
-  """y = x @ kernel (+ bias); kernel [in, out] with logical axes `axes`."""
+  """y = x @ kernel (+ bias) + s · dropout(x) @ lora_a @ lora_b; kernel [in, out] with logical
+  axes `axes`. The adapter term only where models/lora.py attached one (lora_a [in, r], lora_b
+  [r, out], s = lora_scale, dropout rate lora_dropout, applied only when given a key)."""
 
   def __init__(self, din: int, dout: int, *, bias: bool, axes: tuple[str, str],
                cfg: ModelConfig, rngs: nnx.Rngs):
@@ -70,16 +80,30 @@ class Linear(nnx.Module):
     self.bias = (nnx.Param(jnp.zeros((dout,), cfg.param_jnp_dtype), axes=axes[1:])
                  if bias else None)
     self.dtype = cfg.compute_jnp_dtype
+    self.lora_a = self.lora_b = nnx.data(None)  # LoRA adapters (models/lora.py); None = none
+    self.lora_scale, self.lora_dropout = 0.0, 0.0
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, rng: Optional[jax.Array] = None) -> jax.Array:
     # As one 2-D matmul: XLA:CPU runs the [rows, in] x [in, out] product and its two backward
     # products about twice as fast as the 3-D dot_general (measured on the tiny model).
     kernel = self.kernel[...].astype(self.dtype)
-    y = jnp.dot(x.astype(self.dtype).reshape(-1, x.shape[-1]), kernel)
+    x2 = x.astype(self.dtype).reshape(-1, x.shape[-1])
+    y = jnp.dot(x2, kernel)
+    if self.lora_a is not None:
+      y = y + self._adapter(x2, rng)
     y = y.reshape(*x.shape[:-1], kernel.shape[-1])
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     return y
+
+  def _adapter(self, x2: jax.Array, rng: Optional[jax.Array]) -> jax.Array:
+    """s · dropout(x) A B for [rows, in] x (inverted dropout: kept inputs scaled by 1/(1-p))."""
+    p = self.lora_dropout
+    if rng is not None and p > 0:
+      keep = jax.random.bernoulli(rng, 1.0 - p, x2.shape)
+      x2 = jnp.where(keep, x2 / (1.0 - p), 0.0).astype(x2.dtype)
+    a, b = self.lora_a[...].astype(self.dtype), self.lora_b[...].astype(self.dtype)
+    return jnp.dot(jnp.dot(x2, a), b) * jnp.asarray(self.lora_scale, self.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -112,11 +136,12 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
     self.mesh, self.rules = mesh, rules
 
-  def __call__(self, x_btd, cos, sin, mask_bts, kv_cache=None, index=None):
+  def __call__(self, x_btd, cos, sin, mask_bts, kv_cache=None, index=None, rng=None):
     b, t, _ = x_btd.shape
-    q = self.q_proj(x_btd).reshape(b, t, self.num_heads, self.head_dim)
-    k = self.k_proj(x_btd).reshape(b, t, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(x_btd).reshape(b, t, self.num_kv_heads, self.head_dim)
+    rq, rk, rv, ro = _keys(rng, 4)
+    q = self.q_proj(x_btd, rq).reshape(b, t, self.num_heads, self.head_dim)
+    k = self.k_proj(x_btd, rk).reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x_btd, rv).reshape(b, t, self.num_kv_heads, self.head_dim)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -136,7 +161,7 @@ class Attention(nnx.Module):
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, group * t, s_len)
     out = jnp.einsum("bkqs,bskd->bkqd", probs, v.astype(q.dtype))
     out = out.reshape(b, kv, group, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, kv * group * hd)
-    return self.o_proj(out), new_kv
+    return self.o_proj(out, ro), new_kv
 
 
 class MLP(nnx.Module):
@@ -149,10 +174,11 @@ class MLP(nnx.Module):
     self.down_proj = Linear(f, d, bias=cfg.mlp_bias, axes=("mlp", "embed"), cfg=cfg, rngs=rngs)
     self.mesh, self.rules = mesh, rules
 
-  def __call__(self, x):
-    hidden = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+  def __call__(self, x, rng=None):
+    rg, ru, rd = _keys(rng, 3)
+    hidden = jax.nn.silu(self.gate_proj(x, rg)) * self.up_proj(x, ru)
     hidden = shd.shard(hidden, ("batch", "length", "act_mlp"), self.mesh, self.rules)
-    return self.down_proj(hidden)
+    return self.down_proj(hidden, rd)
 
 
 class Block(nnx.Module):
@@ -164,15 +190,16 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, rngs, mesh, rules)
     self.mesh, self.rules = mesh, rules
 
-  def __call__(self, x, cos, sin, mask, kv_cache=None, index=None):
-    attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, index)
+  def __call__(self, x, cos, sin, mask, kv_cache=None, index=None, rng=None):
+    ra, rm = _keys(rng, 2)
+    attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, index, ra)
     x = x + attn
-    x = x + self.mlp(self.post_attention_layernorm(x))
+    x = x + self.mlp(self.post_attention_layernorm(x), rm)
     return shd.shard(x, ("batch", "length", "act_embed"), self.mesh, self.rules), new_kv
 
 
-def _block_call(block, x, cos, sin, mask):
-  return block(x, cos, sin, mask)[0]
+def _block_call(block, x, cos, sin, mask, rng):
+  return block(x, cos, sin, mask, rng=rng)[0]
 
 
 class Decoder(nnx.Module):
@@ -194,9 +221,11 @@ class Decoder(nnx.Module):
   def __call__(self, input_ids_bt: jax.Array, positions_bt: jax.Array,
                segment_ids_bt: Optional[jax.Array] = None,
                cache: Optional[KVCache] = None,
-               prefix_ids_bt: Optional[jax.Array] = None) -> tuple[jax.Array, Optional[KVCache]]:
+               prefix_ids_bt: Optional[jax.Array] = None,
+               dropout_rng: Optional[jax.Array] = None) -> tuple[jax.Array, Optional[KVCache]]:
     """Final hidden states [B, T, D] (compute dtype) and the updated cache (or None).
-    `prefix_ids_bt`: per query slot, a segment whose earlier slots it also attends (0 = none)."""
+    `prefix_ids_bt`: per query slot, a segment whose earlier slots it also attends (0 = none).
+    `dropout_rng`: the key of the LoRA adapters' dropout (training, no cache); None = none."""
     cfg = self.cfg
     b, t = input_ids_bt.shape
     if segment_ids_bt is None:
@@ -215,8 +244,9 @@ class Decoder(nnx.Module):
     mask = same & (kv_seg[:, None, :] != 0) & (q_slot[:, None] >= kv_slot[None, :])[None]
     if cache is None:
       call = nnx.remat(_block_call) if cfg.remat else _block_call
-      for layer in self.layers:
-        x = call(layer, x, cos, sin, mask)
+      for i, layer in enumerate(self.layers):
+        rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
+        x = call(layer, x, cos, sin, mask, rng)
       return self.norm(x), None
     ks, vs = [], []
     for i, layer in enumerate(self.layers):

@@ -7,6 +7,9 @@ for exactly the slice each local device holds, read from a memory-mapped tensor.
 Names: our parameter path `layers.3.self_attn.q_proj.kernel` is HF's
 `model.layers.3.self_attn.q_proj.weight` transposed; `scale` -> `weight`;
 `embed_tokens` -> `model.embed_tokens.weight`; `lm_head.kernel` -> `lm_head.weight`^T.
+
+A model with LoRA adapters (models/lora.py) is exported merged (W + s·A·B): the HF directory
+is a plain model; peft_io.py writes the adapters alone.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from posttrain_jax.models.config import ConfigError, ModelConfig, from_hf_dict, 
 from posttrain_jax.models.decoder import Decoder
 from posttrain_jax.models.fsutil import atomic_directory
 from posttrain_jax.models.gguf_io import resolve_model_path
+from posttrain_jax.models.lora import merged
 from posttrain_jax.models.safetensors_io import Checkpoint, SafetensorsError, write_safetensors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -154,13 +158,15 @@ def _export_dtype(dtype: Optional[str]):
 
 
 def hf_tensors(model: Decoder, dtype: Optional[str] = None) -> Iterator[tuple[str, np.ndarray]]:
-  """(HF name, host numpy array) for every parameter, one at a time, in HF layout.
+  """(HF name, host numpy array) for every parameter, one at a time, in HF layout (LoRA
+  adapters merged into their kernels).
 
   Multi-process: an array that is not fully addressable is all-gathered, one tensor per
   collective, so every process must iterate to the end, in step with the others.
   """
   from jax.experimental import multihost_utils
 
+  model = merged(model)
   np_dtype = _export_dtype(dtype)
   for ours, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     name, transpose = hf_name(ours)
@@ -249,6 +255,7 @@ def save_hf_model(model: Decoder, out_dir: os.PathLike, *, tokenizer_dir: Option
   every process raises: process 0 the cause, the others an `ExportError`.
   """
   out_dir = pathlib.Path(out_dir)
+  model = merged(model)   # LoRA adapters folded into their kernels (a no-op without)
   cfg = model.cfg if dtype is None else model.cfg.replace(param_dtype=dtype)
   plan, nbytes = _shard_plan(model, dtype, max_shard_bytes)
   tensors = hf_tensors(model, dtype)

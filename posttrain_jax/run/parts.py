@@ -84,14 +84,21 @@ class Parts:
     if restore_step is None:
       return Learner(self.load(base), learner_cfg, loss_cfg, mesh=self.mesh)
     m = self.cfg.model
-    model = hf_io.abstract_model(hf_io.read_model_config(
-        base, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat), self.mesh)
+    if learner_cfg.lora.enabled:   # the checkpoint holds the adapters; the base is `base`'s
+      model = self.load(base)
+    else:
+      model = hf_io.abstract_model(hf_io.read_model_config(
+          base, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat),
+          self.mesh)
     state, _ = ckpt.restore(abstract_train_state(model, learner_cfg, self.mesh), restore_step)
     return Learner(model, learner_cfg, loss_cfg, mesh=self.mesh, state=state)
 
   def start_params(self, learner: Learner, resume: bool, base: pathlib.Path):
     """The RL start weights: a fresh learner holds them, so they are copied (it donates its own
-    buffers); a resumed one holds trained weights, so they are read again from `base`."""
+    buffers); a resumed one holds trained weights, so they are read again from `base`. With
+    LoRA: the base with adapters off, fresh or resumed (no second copy of the weights)."""
+    if learner.frozen is not None:
+      return learner.adapters_off()
     if not resume:
       return jax.tree.map(jnp.copy, learner.state.params)
     return nnx.to_pure_dict(nnx.state(self.load(base), nnx.Param))

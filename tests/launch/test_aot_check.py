@@ -3,6 +3,7 @@
 parameter counts; configs load for every size × slice and, without local paths, are refused
 naming model.path / tasks.path; the check's parts are the bytes the shardings imply, it
 allocates no weights, and a config that cannot fit is refused with the numbers."""
+import dataclasses
 import json
 import os
 import pathlib
@@ -206,3 +207,30 @@ def test_qwen3_8b_on_v5e8_is_refused():
   out = _cli("--config=" + str(ROOT / "configs" / "qwen3.py") + ":8b,v5e8")
   assert out.returncode == 1 and "does not fit" in out.stderr
   assert _result(out.stdout)["fits"] == 0 and _result(out.stdout)["capacity"] == 16.0
+
+
+
+@pytest.mark.devices(8)
+def test_lora_report_counts_the_frozen_base_once_and_the_adapters_as_params(tmp_path):
+  """LoRA (bf16 base): params and optimizer state are the adapters'; the base is its own exact
+  row at 2 bytes a parameter; the reference (adapters at zero) costs the adapters again."""
+  cfg = small_config(tmp_path)
+  lora_cfg = dataclasses.replace(cfg.rl.learner.lora, rank=8, base_dtype="bfloat16")
+  cfg = dataclasses.replace(cfg, rl=dataclasses.replace(
+      cfg.rl, learner=dataclasses.replace(cfg.rl.learner, lora=lora_cfg)))
+  mesh = make_mesh(cfg.mesh)
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+  report, compiled = aot.check(cfg, mesh, int(141 * aot.GIB))
+  parts = {name: b for name, b, _ in report.parts}
+  n = aot.model_config_of(cfg).num_params()
+  norms = 2 * (2 * 256 + 2 * 64) + 256
+  assert parts["frozen base (LoRA; params are the adapters)"] == ((n - norms) // 8 + norms) * 2
+  # float32 adapters, r = 8, per device: an "embed" dimension is split 8 ways (fsdp), the rest
+  # whole. A [in, 8]: q k v gate up 256/8 rows, o 256 rows, down 512 rows; B [8, out]: q 256,
+  # k v 128, o 256/8, gate up 512, down 256/8 columns.
+  a = 8 * (5 * 32 + 256 + 512)
+  b = 8 * (256 + 2 * 128 + 32 + 2 * 512 + 32)
+  assert parts["params"] == 2 * (a + b) * 4
+  assert parts["optimizer state"] == 2 * parts["params"] + 2 * 4
+  assert parts["reference params (rl.reference_kl)"] == parts["params"]
+  assert report.total_bytes == sum(parts.values())
