@@ -1,8 +1,12 @@
 """The FastAPI routes of the proxy (server.py has the serving logic) and `serve()`.
 
 Every error a client can cause is a 4xx with an OpenAI-style body (Anthropic's on /v1/messages);
-an unknown route is a 404 in the same shape; only our own failures (the engine) are 5xx. The
-Responses API and Anthropic's Messages API are served by dialects.py.
+an unknown route is a 404 in the same shape; only our own failures (the engine) are 5xx. A
+forced `tool_choice` the model did not meet in any of the samples drawn (server.Proxy.sample) is
+a 422 naming the field (code "tool_choice_unsatisfied"; not a 5xx, so clients do not retry on
+their own what the proxy already retried), and unlike a 4xx the client caused, its samples are
+recorded, as a "rejected" call. The Responses API and Anthropic's Messages API are served by
+dialects.py.
 
 Chat streaming answers are server-sent events: a role chunk at once, then the content, the tool
 calls, a final chunk with the finish reasons, the usage chunk when `stream_options.include_usage`,
@@ -101,12 +105,12 @@ def build_app(proxy: Proxy) -> FastAPI:
     end = dict(call_id=call_id, tenant=tenant, session=session, t0=t0, kind=kind,
                messages=messages, tools=req.tools)
     if req.stream:
-      return StreamingResponse(_stream(proxy, req, prompt, end, chat), headers=headers,
+      return StreamingResponse(_stream(proxy, req, prompt, end, chat, body), headers=headers,
                                media_type="text/event-stream")
     try:
-      comps = await proxy.generate(req, prompt)
+      choices = await proxy.sample(req, prompt, chat, end, body)
     except api.ApiError as e:
-      proxy.end(status="error", reason=e.message, **end)
+      proxy.end_failed(e, **end)
       raise
     except EngineError as e:
       proxy.end(status="error", reason=str(e), **end)
@@ -115,7 +119,6 @@ def build_app(proxy: Proxy) -> FastAPI:
     except asyncio.CancelledError:
       proxy.end(status="incomplete", reason="client_disconnected", **end)
       raise
-    choices = [proxy.choice(i, c, req, call_id, chat) for i, c in enumerate(comps)]
     resp = proxy.response(call_id, req, prompt, choices, chat)
     headers["X-Policy-Version"] = str(max(c.version for c in choices))
     if await request.is_disconnected():
@@ -184,7 +187,7 @@ def build_app(proxy: Proxy) -> FastAPI:
   return app
 
 
-async def _stream(proxy: Proxy, req: api.Request, prompt, end: dict, chat: bool):
+async def _stream(proxy: Proxy, req: api.Request, prompt, end: dict, chat: bool, body):
   """The SSE body of a streaming call; records how it ended (module docstring)."""
   call_id, created = end["call_id"], int(time.time())
   ended = False
@@ -196,13 +199,15 @@ async def _stream(proxy: Proxy, req: api.Request, prompt, end: dict, chat: bool)
     live = proxy.streams_tokens(req, chat)   # text as it is sampled, else once decoded
     texts = [proxy.text_so_far() for _ in range(req.n)]
 
-    def piece_chunk(index: int, piece: str, kept: list[tuple[int, float]]) -> Optional[str]:
+    def piece_chunk(index: int, piece: str, kept: list[tuple[int, float]],
+                    tops=None) -> Optional[str]:
       """A content delta and the log-probs of the sampled tokens it brings (per token, as the
-      whole answer gives them: their concatenation over the stream is the same list)."""
+      whole answer gives them: their concatenation over the stream is the same list); `tops`:
+      those tokens' alternatives (id, log-prob) when top_logprobs is asked."""
       lp = None
       if req.logprobs and kept:
         lp = api.token_logprobs([proxy.builder.decode([t]) for t, _ in kept],
-                               [x for _, x in kept])
+                               [x for _, x in kept], proxy.top_texts(tops))
       if not piece and lp is None:
         return None
       if chat:
@@ -213,37 +218,43 @@ async def _stream(proxy: Proxy, req: api.Request, prompt, end: dict, chat: bool)
                                     "created": created, "model": req.model, "choices": [
                                         {"index": index, "text": piece, "logprobs": None,
                                          "finish_reason": None}]}) + "\n\n"
+    sent = [0] * req.n          # per choice, the sampled tokens whose log-probs went out
     try:
       if live:
         async for part in proxy.stream_generate(req, prompt):
           comps = part
           for i, c in enumerate(part):
-            out = piece_chunk(i, *texts[i].feed(c.token_ids, c.logprobs, req.stop))
+            piece, kept = texts[i].feed(c.token_ids, c.logprobs, req.stop)
+            tops = (None if c.top_logprobs is None
+                    else c.top_logprobs[sent[i]:sent[i] + len(kept)])
+            sent[i] += len(kept)
+            out = piece_chunk(i, piece, kept, tops)
             if out is not None:
               yield out
+        choices = [proxy.choice(i, c, req, call_id, chat) for i, c in enumerate(comps)]
       else:
-        comps = await proxy.generate(req, prompt)
+        choices = await proxy.sample(req, prompt, chat, end, body)
     except (api.ApiError, EngineError) as e:
       err = e if isinstance(e, api.ApiError) else api.ApiError(
           503, f"the engine failed: {e}", None, "engine_error", "server_error")
-      proxy.end(status="error", reason=err.message, **end)
+      proxy.end_failed(err, **end)
       ended = True
       yield f"data: {json.dumps(err.body())}\n\n"
       return
-    choices = [proxy.choice(i, c, req, call_id, chat) for i, c in enumerate(comps)]
     resp = proxy.response(call_id, req, prompt, choices, chat)
-    for c, comp in zip(choices, comps):
+    for c in choices:
       content = (c.message.get("content") if c.message is not None else c.text) or ""
       if chat and c.message.get("tool_calls"):   # parsed from the whole text: sent whole
-        out = piece_chunk(c.index, content, list(zip(c.token_ids, c.logprobs)))
+        out = piece_chunk(c.index, content, list(zip(c.token_ids, c.logprobs)), c.top_logprobs)
       else:
-        piece, kept = ("", []) if live else texts[c.index].feed(comp.token_ids, comp.logprobs,
+        piece, kept = ("", []) if live else texts[c.index].feed(c.token_ids, c.logprobs,
                                                                req.stop)
         rest = texts[c.index].rest(content)
         if rest is None:
           proxy.counts["stream_text_mismatch"] += 1
           rest = ""
-        out = piece_chunk(c.index, piece + rest, kept)
+        out = piece_chunk(c.index, piece + rest, kept,
+                          None if c.top_logprobs is None else c.top_logprobs[:len(kept)])
       if out is not None:
         yield out
       if chat and c.message.get("tool_calls"):

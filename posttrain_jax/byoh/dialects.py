@@ -113,9 +113,9 @@ async def serve(proxy, request: HttpRequest, dialect, body: Any, tenant: str, se
     return StreamingResponse(_stream(proxy, dialect, body, req, prompt, end, events, created),
                              headers=headers, media_type="text/event-stream")
   try:
-    comps = await proxy.generate(req, prompt)
+    (choice,) = await proxy.sample(req, prompt, True, end, body)
   except api.ApiError as e:
-    proxy.end(status="error", reason=e.message, **end)
+    proxy.end_failed(e, **end)
     raise
   except EngineError as e:
     proxy.end(status="error", reason=str(e), **end)
@@ -123,7 +123,6 @@ async def serve(proxy, request: HttpRequest, dialect, body: Any, tenant: str, se
   except asyncio.CancelledError:
     proxy.end(status="incomplete", reason="client_disconnected", **end)
     raise
-  choice = proxy.choice(0, comps[0], req, call_id, True)
   resp = dialect.response(proxy, call_id, body, req, prompt, choice, created)
   headers["X-Policy-Version"] = str(choice.version)
   status = "incomplete" if await request.is_disconnected() else "complete"
@@ -152,21 +151,21 @@ async def _stream(proxy, dialect, body, req: api.Request, prompt, end: dict, eve
           piece, _ = text.feed(part[0].token_ids, part[0].logprobs, req.stop)
           for ev in events.text(piece) if piece else ():
             yield ev
+        choice = proxy.choice(0, comps[0], req, end["call_id"], True)
       else:
-        comps = await proxy.generate(req, prompt)
+        (choice,) = await proxy.sample(req, prompt, True, end, body)
     except (api.ApiError, EngineError) as e:
       err = e if isinstance(e, api.ApiError) else _engine_error(e)
-      proxy.end(status="error", reason=err.message, **end)
+      proxy.end_failed(err, **end)
       ended = True
       for ev in events.error(err):
         yield ev
       return
-    choice = proxy.choice(0, comps[0], req, end["call_id"], True)
     content = choice.message.get("content") or ""
     if choice.message.get("tool_calls"):   # parsed from the whole text: sent whole
       piece = content
     else:
-      piece = "" if live else text.feed(comps[0].token_ids, comps[0].logprobs, req.stop)[0]
+      piece = "" if live else text.feed(choice.token_ids, choice.logprobs, req.stop)[0]
       rest = text.rest(content)
       if rest is None:
         proxy.counts["stream_text_mismatch"] += 1

@@ -15,7 +15,9 @@ A request becomes the chat a Chat Completions harness would send for the same co
                                                 parameters}}
 
 `max_tokens` is required; `stop_sequences`, `temperature` (0..1), `top_p`, `top_k` and
-`tool_choice` {type: auto | none} are honoured; `seed` is ours (sampling is then reproducible,
+`tool_choice` {type: auto | none | any | tool (name)} with `disable_parallel_tool_use` are
+honoured (any / tool as the chat route's "required" / a named function: server.Proxy.sample,
+a prefilled call drawn again until met, else a 422); `seed` is ours (sampling is then reproducible,
 streamed or not). A final assistant message (a prefill) is refused: the chat template would
 close that turn, not continue it. Callers send their key as `x-api-key` (or `Authorization:
 Bearer`; the same keys and tenants as the other dialects) and must send `anthropic-version`.
@@ -161,14 +163,29 @@ def chat_tools(tools: Any) -> Optional[list[dict[str, Any]]]:
   return out or None
 
 
-def _tool_choice(v: Any) -> str:
-  kind = v.get("type") if isinstance(v, dict) else v
-  if v is None or kind == "auto":
-    return "auto"
-  if kind == "none":
-    return "none"
-  raise api.ApiError(400, f"tool_choice={json.dumps(v)} needs constrained decoding, which this "
-                     "server does not do; use {type: auto} or {type: none}", "tool_choice")
+def _tool_choice(v: Any, tools) -> tuple[str, Optional[str], bool]:
+  """Anthropic's tool_choice as the chat request's (mode, tool name, parallel tool calls)."""
+  if v is None:
+    return "auto", None, True
+  if isinstance(v, str):             # the type alone, as earlier versions took it
+    v = {"type": v}
+  kind = v.get("type") if isinstance(v, dict) else None
+  if kind not in ("auto", "none", "any", "tool"):
+    raise api.ApiError(400, f"tool_choice={json.dumps(v)}; valid types: auto, none, any, tool",
+                       "tool_choice.type")
+  if not isinstance(v.get("disable_parallel_tool_use", False), bool):
+    raise api.ApiError(400, "disable_parallel_tool_use must be a boolean",
+                       "tool_choice.disable_parallel_tool_use")
+  parallel = not v.get("disable_parallel_tool_use", False)
+  if kind in ("auto", "none"):
+    return kind, None, parallel
+  name = None
+  if kind == "tool":
+    name = v.get("name")
+    if not isinstance(name, str) or not name:
+      raise api.ApiError(400, "tool_choice of type tool needs a name", "tool_choice.name")
+  mode, name = api.check_forced_tool("required", name, tools, "tool_choice", "tool_choice.name")
+  return mode, name, parallel
 
 
 def parse(proxy, body: Any, tenant: str, headers) -> tuple[api.Request, None]:
@@ -193,7 +210,7 @@ def parse(proxy, body: Any, tenant: str, headers) -> tuple[api.Request, None]:
                        "stop_sequences")
   system = _text(body["system"], "system") if body.get("system") is not None else ""
   tools = chat_tools(body.get("tools"))
-  tool_choice = _tool_choice(body.get("tool_choice"))
+  tool_choice, tool_name, parallel = _tool_choice(body.get("tool_choice"), tools)
   if "messages" not in body:
     raise api.ApiError(400, "messages is required", "messages")
   messages = ([{"role": "system", "content": system}] if system else []) + chat_messages(
@@ -201,7 +218,7 @@ def parse(proxy, body: Any, tenant: str, headers) -> tuple[api.Request, None]:
   sampling = SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
                             top_p=float(top_p), top_k=int(top_k), stop_token_ids=proxy.stop_ids)
   return api.Request(model, sampling, 1, seed, tuple(stop), stream, False, False, tools,
-                     tool_choice, messages, None), None
+                     tool_choice, messages, None, tool_name, parallel), None
 
 
 # -- the answer -------------------------------------------------------------------------------

@@ -2,8 +2,16 @@
 
 A request is read field by field (not by a schema library) so that each mistake is one 400
 with an OpenAI-style body naming the field: `{"error": {"message", "type", "param", "code"}}`.
-Fields the engines cannot honour (penalties, logit bias, top_logprobs, forced tool choice) are
-refused with a message that says so, rather than silently ignored.
+Fields the engines cannot honour (penalties, logit bias) are refused with a message that says
+so, rather than silently ignored; so are `top_logprobs` and `response_format` where the serving
+engine lacks the capability (server.Proxy.prepare checks engines/base.py's capability flags).
+
+Tools: `tool_choice` "auto" (parse the calls the model writes), "none" (the tools are still
+rendered, as vLLM does by default, but no call is parsed), "required" or a named function
+{"type": "function", "function": {"name"}} (the answer must call a tool / that tool: see
+server.Proxy.sample for how, without constrained decoding), `parallel_tool_calls` false (at
+most one call per answer). A request whose `tool_choice` cannot be met within the retries is
+answered `Unsatisfied`: a 422 naming the field.
 """
 from __future__ import annotations
 
@@ -28,11 +36,22 @@ class ApiError(Exception):
                       "code": self.code}}
 
 
+class Unsatisfied(ApiError):
+  """The model did not meet `tool_choice` / `parallel_tool_calls` in any of the samples the
+  proxy drew: a 422 naming the field. `choices` are the call's last samples (recorded as a
+  rejected call, never trained)."""
+
+  def __init__(self, message: str, param: str, choices: list):
+    super().__init__(422, message, param, "tool_choice_unsatisfied")
+    self.choices = choices
+
+
 # Accepted and ignored (they change nothing we do), or accepted only at their no-op value.
-_IGNORED = {"user", "metadata", "store", "parallel_tool_calls", "stream_options", "service_tier",
+_IGNORED = {"user", "metadata", "store", "stream_options", "service_tier",
             "reasoning_effort", "modalities", "prediction", "functions", "function_call", "name"}
-_NOOP = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "top_logprobs": 0,
-         "echo": False, "suffix": None, "best_of": 1, "response_format": None}
+_NOOP = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
+         "echo": False, "suffix": None, "best_of": 1}
+MAX_TOP_LOGPROBS = 20             # OpenAI's limit on top_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +66,71 @@ class Request:
   include_usage: bool
   logprobs: bool
   tools: Optional[list[dict[str, Any]]]
-  tool_choice: str                # "auto" | "none"
+  tool_choice: str                # "auto" | "none" | "required"
   messages: Any = None            # chat: the raw messages (prompts.normalize_messages reads them)
   prompt: Any = None              # completions: a string or a list of token ids
+  tool_name: Optional[str] = None  # "required" of one named function: only a call to it counts
+  parallel_tool_calls: bool = True  # False: at most one tool call per answer
+
+  @property
+  def parses_tools(self) -> bool:
+    """Tool calls are parsed out of the answer (tools offered, tool_choice not "none")."""
+    return bool(self.tools) and self.tool_choice != "none"
+
+
+def tool_choice_field(v: Any, tools: Optional[list[dict[str, Any]]],
+                      param: str = "tool_choice") -> tuple[str, Optional[str]]:
+  """Chat Completions' `tool_choice` as (mode, tool name): mode "auto" | "none" | "required";
+  a named function {"type": "function", "function": {"name"}} is ("required", name). A 400
+  naming the field for anything else, or a call forced without (that) tool."""
+  if v is None:
+    return "auto", None
+  if v in ("auto", "none", "required"):
+    mode, name = v, None
+  elif isinstance(v, dict) and v.get("type") == "function":
+    fn = v.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+      raise ApiError(400, "a named tool_choice is {type: function, function: {name}}",
+                     f"{param}.function.name")
+    mode, name = "required", fn["name"]
+  else:
+    raise ApiError(400, f"tool_choice={json.dumps(v)}; valid: 'auto', 'none', 'required' or "
+                   "{type: function, function: {name}}", param)
+  return check_forced_tool(mode, name, tools, param)
+
+
+def check_forced_tool(mode: str, name: Optional[str], tools, param: str,
+                      name_param: Optional[str] = None) -> tuple[str, Optional[str]]:
+  """(mode, name) if the tools allow it: a forced call needs tools, a named one that tool."""
+  if mode == "required" and not tools:
+    raise ApiError(400, "tool_choice forces a tool call but the request has no tools", param)
+  names = [t["function"]["name"] for t in tools or ()]
+  if name is not None and name not in names:
+    raise ApiError(400, f"tool_choice names the function {name!r}, which is not among the "
+                   f"tools ({', '.join(names)})", name_param or f"{param}.function.name")
+  return mode, name
+
+
+def response_format_field(v: Any, param: str = "response_format") -> Optional[str]:
+  """`response_format`: None for plain text, else the validated format as JSON text
+  (SamplingParams.response_format): {"type": "json_object"} or {"type": "json_schema",
+  "json_schema": {"name", "schema"?, "strict"?}}."""
+  if v is None or v == {"type": "text"}:
+    return None
+  kind = v.get("type") if isinstance(v, dict) else None
+  if kind == "json_object":
+    return json.dumps({"type": "json_object"})
+  if kind == "json_schema":
+    js = v.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("name"), str) or not js["name"]:
+      raise ApiError(400, "json_schema must be an object with a name (a string)",
+                     f"{param}.json_schema")
+    if js.get("schema") is not None and not isinstance(js["schema"], dict):
+      raise ApiError(400, "json_schema.schema must be a JSON schema object",
+                     f"{param}.json_schema.schema")
+    return json.dumps({"type": "json_schema", "json_schema": js}, sort_keys=True)
+  raise ApiError(400, f"response_format={json.dumps(v)}; valid types: text, json_object, "
+                 "json_schema", param)
 
 
 def number(body, key, lo, hi, default, kind=(int, float)):
@@ -88,12 +169,12 @@ def parse_request(body: Any, *, chat: bool, models: tuple[str, ...], max_tokens_
                    "model", "model_not_found")
   for key, noop in _NOOP.items():
     v = body.get(key)
-    if v is not None and v != noop and not (key == "response_format" and v == {"type": "text"}):
+    if v is not None and v != noop:
       raise ApiError(400, f"{key}={v!r} is not supported by this server (the engines sample "
                      f"plain log-probs only)", key, "unsupported_parameter")
   known = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
            "top_p", "n", "seed", "stop", "stream", "logprobs", "tools", "tool_choice", "top_k",
-           *_IGNORED, *_NOOP}
+           "top_logprobs", "response_format", "parallel_tool_calls", *_IGNORED, *_NOOP}
   unknown = sorted(set(body) - known)
   if unknown:
     raise ApiError(400, f"unknown parameter {unknown[0]!r}", unknown[0], "unknown_parameter")
@@ -110,7 +191,7 @@ def parse_request(body: Any, *, chat: bool, models: tuple[str, ...], max_tokens_
   stop = body.get("stop")
   if stop is None:
     stop = ()
-  elif isinstance(stop, str):
+  elif isinstance(stop, str) and stop:
     stop = (stop,)
   elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop):
     stop = tuple(stop)
@@ -127,6 +208,9 @@ def parse_request(body: Any, *, chat: bool, models: tuple[str, ...], max_tokens_
       logprobs = False
     if not isinstance(logprobs, bool):
       raise ApiError(400, "logprobs must be a boolean", "logprobs")
+    top_logprobs = number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0, (int,))
+    if top_logprobs and not logprobs:
+      raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
   else:  # completions: logprobs is an integer count of alternatives; we return the sampled one
     if logprobs not in (None, False, 0, 1) and not (isinstance(logprobs, int) and logprobs >= 0):
       raise ApiError(400, "logprobs must be a non-negative integer", "logprobs")
@@ -134,7 +218,10 @@ def parse_request(body: Any, *, chat: bool, models: tuple[str, ...], max_tokens_
       raise ApiError(400, f"logprobs={logprobs}: only the sampled token's log-prob is served "
                      "(use 0 or 1)", "logprobs", "unsupported_parameter")
     logprobs = logprobs is not None and logprobs is not False
-  tools, tool_choice = body.get("tools"), body.get("tool_choice")
+    if body.get("top_logprobs") not in (None, 0):
+      raise ApiError(400, "top_logprobs is a chat parameter", "top_logprobs")
+    top_logprobs = 0
+  tools = body.get("tools")
   if tools is not None:
     if not chat:
       raise ApiError(400, "tools are a chat parameter", "tools")
@@ -143,12 +230,11 @@ def parse_request(body: Any, *, chat: bool, models: tuple[str, ...], max_tokens_
         and isinstance(t["function"].get("name"), str) for t in tools):
       raise ApiError(400, "tools must be a list of {type: function, function: {name, ...}}",
                      "tools")
-  if tool_choice is None:
-    tool_choice = "auto"
-  if tool_choice not in ("auto", "none"):
-    raise ApiError(400, f"tool_choice={json.dumps(tool_choice)} needs constrained decoding, "
-                   "which this server does not do; use 'auto' or 'none'", "tool_choice",
-                   "unsupported_parameter")
+  tool_choice, tool_name = tool_choice_field(body.get("tool_choice"), tools)
+  parallel = body.get("parallel_tool_calls")
+  if parallel is not None and not isinstance(parallel, bool):
+    raise ApiError(400, "parallel_tool_calls must be a boolean", "parallel_tool_calls")
+  response_format = response_format_field(body.get("response_format"))
   if chat:
     if "messages" not in body:
       raise ApiError(400, "messages is required", "messages")
@@ -167,9 +253,11 @@ def parse_request(body: Any, *, chat: bool, models: tuple[str, ...], max_tokens_
                      "prompt")
   sampling = SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
                             top_p=float(top_p), top_k=max(int(top_k), 0),
-                            stop_token_ids=tuple(stop_token_ids))
+                            stop_token_ids=tuple(stop_token_ids), top_logprobs=top_logprobs,
+                            response_format=response_format)
   return Request(model, sampling, n, seed, stop, stream, include_usage, logprobs,
-                 tools, tool_choice, body.get("messages"), prompt)
+                 tools, tool_choice, body.get("messages"), prompt, tool_name,
+                 parallel is not False)
 
 
 def truncate_at_stop(ids: list[int], decode, stops: tuple[str, ...]) -> Optional[tuple[int, int]]:
@@ -193,10 +281,15 @@ def truncate_at_stop(ids: list[int], decode, stops: tuple[str, ...]) -> Optional
   return lo, pos
 
 
-def token_logprobs(tokens: list[str], logprobs: list[float]) -> dict[str, Any]:
-  """The chat `logprobs` object: per sampled token its text, bytes and log-prob."""
-  return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                      for t, lp in zip(tokens, logprobs)], "refusal": None}
+def token_logprobs(tokens: list[str], logprobs: list[float],
+                   tops: Optional[list[list[tuple[str, float]]]] = None) -> dict[str, Any]:
+  """The chat `logprobs` object: per sampled token its text, bytes and log-prob, and (`tops`,
+  per token) the most likely tokens' texts and log-probs, most likely first."""
+  def entry(t: str, lp: float) -> dict[str, Any]:
+    return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+  return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, x) for a, x in
+                                                        (tops[i] if tops else ())]}
+                      for i, (t, lp) in enumerate(zip(tokens, logprobs))], "refusal": None}
 
 
 def fingerprint(version: int) -> str:

@@ -131,6 +131,8 @@ class Prompt:
   ids: list[int]
   parent: Optional[tuple[str, int]] = None   # (call id, choice index) this prompt continues
   break_reason: Optional[str] = None         # why it continues nothing (None: first call)
+  prefill: str = ""               # the start of the assistant turn the proxy wrote (the end of
+                                  # `text`; prompt tokens): the sampled text continues it
 
 
 @dataclasses.dataclass

@@ -29,7 +29,10 @@ them. `usage` counts the prompt's and the sampled tokens. A response cut by
 (`response.content_part.added`, `response.output_text.delta`..., `response.output_text.done`,
 `response.content_part.done`, or `response.function_call_arguments.delta` / `.done`),
 `response.output_item.done`, then `response.completed`; a failure mid-stream sends `error` and
-`response.failed`. Beyond the API: `seed` (sampling is then reproducible, streamed or not).
+`response.failed`. `tool_choice` "auto" | "none" | "required" | {type: function, name} and
+`parallel_tool_calls` are served as the chat route serves them (server.Proxy.sample: a forced
+call is prefilled and drawn again until met, else a 422). Beyond the API: `seed` (sampling is
+then reproducible, streamed or not). Not served: structured `text.format` and `top_logprobs`.
 Errors are `{"error": {"message", "type", "param", "code"}}` with a 4xx.
 """
 from __future__ import annotations
@@ -44,13 +47,13 @@ from posttrain_jax.engines.base import SamplingParams
 PREFIX = "resp_"
 
 # Accepted and ignored (they change nothing we do), or accepted only at their no-op value.
-_IGNORED = {"metadata", "user", "parallel_tool_calls", "truncation", "service_tier",
+_IGNORED = {"metadata", "user", "truncation", "service_tier",
             "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "include",
             "reasoning", "stream_options", "max_tool_calls"}
 _NOOP = {"background": False, "top_logprobs": 0, "conversation": None, "prompt": None}
 _KNOWN = {"model", "input", "instructions", "tools", "tool_choice", "previous_response_id",
           "store", "stream", "max_output_tokens", "temperature", "top_p", "text", "seed",
-          *_IGNORED}
+          "parallel_tool_calls", *_IGNORED}
 _TEXT_PARTS = ("input_text", "output_text")
 
 
@@ -170,11 +173,8 @@ def parse(proxy, body: Any, tenant: str, headers) -> tuple[api.Request, Optional
                        "(structured outputs need constrained decoding)", "text",
                        "unsupported_parameter")
   tools = chat_tools(body.get("tools"))
-  tool_choice = body.get("tool_choice") or "auto"
-  if tool_choice not in ("auto", "none"):
-    raise api.ApiError(400, f"tool_choice={json.dumps(tool_choice)} needs constrained "
-                       "decoding, which this server does not do; use 'auto' or 'none'",
-                       "tool_choice", "unsupported_parameter")
+  tool_choice, tool_name = _tool_choice(body.get("tool_choice"), tools)
+  parallel = dialects.flag(body, "parallel_tool_calls", True)
   if "input" not in body:
     raise api.ApiError(400, "input is required", "input")
   messages = input_messages(body["input"])
@@ -185,8 +185,22 @@ def parse(proxy, body: Any, tenant: str, headers) -> tuple[api.Request, Optional
   sampling = SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
                             top_p=float(top_p), top_k=0, stop_token_ids=proxy.stop_ids)
   req = api.Request(model, sampling, 1, seed, (), stream, False, False, tools, tool_choice,
-                    system + history + messages, None)
+                    system + history + messages, None, tool_name, parallel)
   return req, session
+
+
+def _tool_choice(v: Any, tools) -> tuple[str, Optional[str]]:
+  """The Responses API's tool_choice as the chat request's (mode, tool name)."""
+  if v is None:
+    return "auto", None
+  if v in ("auto", "none", "required"):
+    return api.check_forced_tool(v, None, tools, "tool_choice")
+  if isinstance(v, dict) and v.get("type") == "function":
+    if not isinstance(v.get("name"), str) or not v["name"]:
+      raise api.ApiError(400, "a named tool_choice is {type: function, name}", "tool_choice.name")
+    return api.check_forced_tool("required", v["name"], tools, "tool_choice", "tool_choice.name")
+  raise api.ApiError(400, f"tool_choice={json.dumps(v)}; valid: 'auto', 'none', 'required' or "
+                     "{type: function, name}", "tool_choice", "unsupported_parameter")
 
 
 # -- the answer -------------------------------------------------------------------------------
@@ -197,10 +211,11 @@ def _envelope(call_id: str, body: dict, req: api.Request, created: int) -> dict[
   return {"id": call_id, "object": "response", "created_at": created, "error": None,
           "incomplete_details": None, "instructions": body.get("instructions"),
           "max_output_tokens": body.get("max_output_tokens"), "model": req.model,
-          "parallel_tool_calls": True, "previous_response_id": body.get("previous_response_id"),
+          "parallel_tool_calls": req.parallel_tool_calls,
+          "previous_response_id": body.get("previous_response_id"),
           "store": body.get("store") is not False, "temperature": req.sampling.temperature,
           "top_p": req.sampling.top_p, "text": {"format": {"type": "text"}},
-          "tool_choice": req.tool_choice, "tools": body.get("tools") or [],
+          "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
           "truncation": "disabled", "metadata": body.get("metadata") or {}}
 
 

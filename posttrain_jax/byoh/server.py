@@ -20,12 +20,32 @@ session key's, else the `X-Session-Id` header, else a new one per call (sent bac
 `X-Session-Id` response header). A tenant never sees another tenant's sessions (they read as
 404, like sessions that do not exist).
 
-Each call: validate (openai_api.py: a 4xx naming the field, nothing recorded), build the prompt
-(prompts.py: earlier sampled ids spliced in), record the call (store.py), generate on a worker
-thread, parse tool calls with the chat format's parser (envs/tool_calls.py, so
-tool_choice="auto" works whatever the engine), answer, record the result. A client that leaves
-before the answer is complete leaves its call "incomplete"; an engine failure is a 503 and an
-"error" call. Both are kept and never trained on.
+Each call: validate (openai_api.py: a 4xx naming the field, nothing recorded; a field the
+engine cannot honour -- `top_logprobs` past its `max_top_logprobs`, a `response_format` without
+`guided_decoding`, engines/base.py -- is a 400 too), build the prompt (prompts.py: earlier
+sampled ids spliced in), record the call (store.py), generate on a worker thread, parse tool
+calls with the chat format's parser (envs/tool_calls.py, so tool_choice="auto" works whatever
+the engine), answer, record the result. A client that leaves before the answer is complete
+leaves its call "incomplete"; an engine failure is a 503 and an "error" call. Both are kept and
+never trained on.
+
+Forced tool calls without constrained decoding (`Proxy.sample`). No engine here constrains
+decoding to a tool-call grammar, so `tool_choice` "required" / a named function is met by
+(1) a prefill: the assistant turn starts with the chat format's call opening, up to the
+function's `"name":` key, or for a named function up to its `"arguments":` key
+(`<tool_call>\n{"name": "add", "arguments":` in hermes). Those are prompt tokens (recorded in
+the call's prompt, never trained as sampled), the prefill ends before a space, where byte-level
+BPE pre-tokenizers split, so the sampled tokens are the ones the model would write there; and
+(2) rejection: an answer that still has no (matching) call is drawn again, up to
+`ProxyConfig.tool_choice_retries` times, each with a new seed (derived from the request's, so a
+seeded request stays reproducible). Every miss is recorded as a call of status "rejected" (never
+trained); the call the client gets is the accepted sample, recorded with its own log-probs (the
+policy's, not the policy conditioned on calling a tool: rejection is a selection the recorded
+log-probs do not correct). If no sample meets it, the client gets a 422 naming `tool_choice`
+and the call itself is recorded "rejected". A call to another function than the named one is a
+miss. `parallel_tool_calls` false: an answer with several calls is cut after its first, as a
+stop string cuts (the tokens up to the end of that call are kept, the rest dropped, so what is
+trained is exactly a prefix of what was sampled); one that cannot be cut so is a miss.
 """
 from __future__ import annotations
 
@@ -44,8 +64,8 @@ from posttrain_jax.byoh import openai_api as api
 from posttrain_jax.byoh.prompts import MessageError, Prompt, PromptBuilder, Turn, normalize_messages
 from posttrain_jax.byoh.rebuild import rebuild_session
 from posttrain_jax.byoh.store import Choice, Feedback, TraceStore
-from posttrain_jax.engines.base import EngineError, PromptTooLongError
-from posttrain_jax.envs.tool_calls import parse_turn
+from posttrain_jax.engines.base import EngineError, PromptTooLongError, capability
+from posttrain_jax.envs.tool_calls import ToolCall, parse_turn, render_call
 
 DEFAULT_TENANT = "default"
 
@@ -61,6 +81,35 @@ def detect_tool_format(tokenizer) -> Optional[str]:
   return None
 
 
+@dataclasses.dataclass
+class ServedChoice(Choice):
+  """A choice as served: what the store keeps of it, and what only the response carries."""
+  top_logprobs: Optional[list] = None   # per token, the most likely (id, log-prob) pairs when
+                                        # asked (the recorded response holds them as text)
+
+
+_PROBE_NAME, _PROBE_KEY = "ptj_probe_name", "ptj_probe_key"
+
+
+def call_prefill(fmt: str, name: Optional[str]) -> str:
+  """The opening of a tool call in format `fmt` (envs/tool_calls.py renders it): up to the
+  `"name":` key, or, for the function `name`, up to its arguments' key. It ends before the space
+  that follows (module docstring)."""
+  if name is None:
+    text = render_call(ToolCall(_PROBE_NAME, {}), fmt)
+    return text[:text.index(json.dumps(_PROBE_NAME))].rstrip()
+  text = render_call(ToolCall(name, {_PROBE_KEY: 0}), fmt)
+  return text[:text.index("{" + json.dumps(_PROBE_KEY))].rstrip()
+
+
+def _retry_seed(seed: Optional[int], attempt: int) -> Optional[int]:
+  """The seed of a forced tool call's `attempt`-th new draw: derived from the request's (a
+  seeded request stays reproducible), distinct from it and from vLLM's seed + j per choice."""
+  if seed is None:
+    return None
+  return int(hashlib.sha256(f"{seed}/retry/{attempt}".encode()).hexdigest()[:15], 16)
+
+
 @dataclasses.dataclass(frozen=True)
 class ProxyConfig:
   """How the proxy serves and whom it lets in."""
@@ -73,6 +122,10 @@ class ProxyConfig:
   max_prompt_tokens: int = 0            # longer prompts are a 400 (0 = the engine's own limit)
   workers: int = 4                      # threads running engine calls
   session_cache: int = 4096             # sessions whose history stays in memory
+  tool_choice_retries: int = 2          # a forced tool_choice missed: draw again up to this many
+                                        # times (new seeds), then answer 422 (module docstring)
+  tool_choice_prefill: bool = True      # a forced tool_choice: start the assistant turn with the
+                                        # format's call opening (prompt tokens; module docstring)
 
 
 class Proxy:
@@ -164,22 +217,118 @@ class Proxy:
     else:
       messages, prefix = None, "cmpl"
       prompt = self.builder.completion(req.prompt, history)
+    self._check_capabilities(req)
+    if req.tool_choice == "required" and messages is not None and self.cfg.tool_choice_prefill:
+      text = call_prefill(self.tool_format, req.tool_name)
+      prompt = dataclasses.replace(prompt, text=prompt.text + text,
+                                   ids=prompt.ids + self.builder.encode(text), prefill=text)
     if self.max_prompt_tokens and len(prompt.ids) > self.max_prompt_tokens:
       raise api.ApiError(400, f"the prompt has {len(prompt.ids)} tokens; this server accepts "
                          f"at most {self.max_prompt_tokens}", "messages" if messages else "prompt",
                          "context_length_exceeded")
     return f"{prefix}-{uuid.uuid4().hex}", messages, prompt
 
+  def _check_capabilities(self, req: api.Request) -> None:
+    """A 400 naming the field the engine (or the chat template) cannot honour."""
+    k, most = req.sampling.top_logprobs, capability(self.engine, "max_top_logprobs")
+    if k > most:
+      raise api.ApiError(400, f"top_logprobs={k}: this server's engine returns "
+                         f"{f'at most {most}' if most else 'no'} alternative tokens per position",
+                         "top_logprobs", "unsupported_parameter")
+    if req.sampling.response_format is not None and not capability(self.engine,
+                                                                   "guided_decoding"):
+      kind = json.loads(req.sampling.response_format)["type"]
+      raise api.ApiError(400, f"response_format type {kind!r} needs constrained decoding, which "
+                         "this server's engine cannot do (serve with an engine that has guided "
+                         "decoding, e.g. configs/serve.py:vllm)", "response_format",
+                         "unsupported_parameter")
+    if req.tool_choice == "required" and not self.tool_format:
+      raise api.ApiError(400, "tool_choice forces a tool call, but the served chat template "
+                         "writes no tool calls", "tool_choice", "unsupported_parameter")
+
   def begin(self, call_id, kind, tenant, session, body, messages, req, prompt: Prompt) -> None:
-    self.store.begin_call(call_id=call_id, tenant=tenant, session=session, kind=kind,
-                          request=body, prompt_text=prompt.text, prompt_ids=prompt.ids,
-                          messages=messages, tools=req.tools,
-                          parent_call=prompt.parent[0] if prompt.parent else None,
-                          parent_choice=prompt.parent[1] if prompt.parent else None,
-                          break_reason=prompt.break_reason)
+    self._record_begin(call_id, kind, tenant, session, body, messages, req.tools, prompt)
     self.counts["calls"] += 1
     if prompt.break_reason:
       self.counts[f"break/{prompt.break_reason}"] += 1
+
+  def _record_begin(self, call_id, kind, tenant, session, body, messages, tools,
+                    prompt: Prompt) -> None:
+    self.store.begin_call(call_id=call_id, tenant=tenant, session=session, kind=kind,
+                          request=body, prompt_text=prompt.text, prompt_ids=prompt.ids,
+                          messages=messages, tools=tools,
+                          parent_call=prompt.parent[0] if prompt.parent else None,
+                          parent_choice=prompt.parent[1] if prompt.parent else None,
+                          break_reason=prompt.break_reason)
+
+  async def sample(self, req: api.Request, prompt: Prompt, chat: bool, end: dict,
+                   body: Any) -> list[Choice]:
+    """The call's choices (generate, then `choice`), meeting a forced `tool_choice` and
+    `parallel_tool_calls` false by drawing a missed choice again (module docstring): each miss
+    is recorded as a "rejected" call; `api.Unsatisfied` (a 422) when the retries run out."""
+    call_id = end["call_id"]
+    comps = await self.generate(req, prompt)
+    choices = [self.choice(i, c, req, call_id, chat, prompt.prefill) for i, c in enumerate(comps)]
+    if not (chat and req.parses_tools and self.tool_format):
+      return choices
+    rounds = 1 + max(self.cfg.tool_choice_retries, 0)
+    for attempt in range(1, rounds):
+      missed = [c for c in choices if self._miss(req, c)]
+      if not missed:
+        return choices
+      self._reject(f"{call_id}-rejected-{attempt}", missed, req, prompt, end, body,
+                   f"{self._miss(req, missed[0])} (sample round {attempt} of {rounds}); the call "
+                   f"{call_id} drew again")
+      again = await self.generate(dataclasses.replace(
+          req, n=len(missed), seed=_retry_seed(req.seed, attempt)), prompt)
+      for c, comp in zip(missed, again):
+        choices[c.index] = self.choice(c.index, comp, req, call_id, chat, prompt.prefill)
+    why = next((self._miss(req, c) for c in choices if self._miss(req, c)), None)
+    if why is None:
+      return choices
+    self.counts["tool_choice_unsatisfied"] += 1
+    wanted = ("one call of the function " + repr(req.tool_name) if req.tool_name else
+              "a tool call" if req.tool_choice == "required" else "at most one tool call")
+    param = "tool_choice" if req.tool_choice == "required" else "parallel_tool_calls"
+    raise api.Unsatisfied(
+        f"{param}: the model did not answer with {wanted} in {rounds} samples (the last: {why}); "
+        f"this server cannot constrain decoding, so it draws again up to "
+        f"tool_choice_retries={rounds - 1} times. The samples are recorded as rejected, never "
+        "trained. Send the request again, or relax tool_choice", param, choices)
+
+  @staticmethod
+  def _miss(req: api.Request, c: Choice) -> Optional[str]:
+    """Why choice `c` misses the request's tool_choice / parallel_tool_calls (None: it meets
+    them)."""
+    calls = (c.message or {}).get("tool_calls") or []
+    if req.tool_choice == "required" and not calls:
+      return "no tool call"
+    other = [tc["function"]["name"] for tc in calls if tc["function"]["name"] != req.tool_name]
+    if req.tool_name is not None and other:
+      return f"a call of {other[0]!r}, not {req.tool_name!r}"
+    if not req.parallel_tool_calls and len(calls) > 1:
+      return f"{len(calls)} tool calls"
+    return None
+
+  def _reject(self, rid: str, missed: list[Choice], req: api.Request, prompt: Prompt,
+              end: dict, body, reason: str) -> None:
+    """Records `missed` (samples of call end["call_id"] the client never gets) as call `rid` of
+    status "rejected", of the same session and prompt: kept, and never trained."""
+    self._record_begin(rid, end["kind"], end["tenant"], end["session"], body, end["messages"],
+                       req.tools, prompt)
+    for c in missed:
+      c.message = normalize_messages([c.message])[0] if c.message is not None else None
+    self.store.end_call(rid, status="rejected", choices=list(missed), reason=reason,
+                        latency_s=time.perf_counter() - end["t0"])
+    self.counts["rejected"] += 1
+
+  def end_failed(self, e: Exception, **end) -> None:
+    """Records how a call that raised `e` ended: the samples of an `api.Unsatisfied` as a
+    "rejected" call, anything else an "error"."""
+    if isinstance(e, api.Unsatisfied):
+      self.end(status="rejected", reason=e.message, choices=e.choices, **end)
+    else:
+      self.end(status="error", reason=getattr(e, "message", None) or str(e), **end)
 
   async def generate(self, req: api.Request, prompt: Prompt):
     loop = asyncio.get_running_loop()
@@ -202,7 +351,7 @@ class Proxy:
   def streams_tokens(self, req: api.Request, chat: bool) -> bool:
     """Whether a streamed call can send text as it is sampled: the engine streams (`stream`,
     the embedded sampler) and no tool call has to be parsed out of the whole text first."""
-    parse_tools = chat and req.tools and req.tool_choice == "auto" and self.tool_format
+    parse_tools = chat and req.parses_tools and self.tool_format
     return callable(getattr(self.engine, "stream", None)) and not parse_tools
 
   async def stream_generate(self, req: api.Request, prompt: Prompt):
@@ -255,9 +404,12 @@ class Proxy:
     finally:
       cancel.set()
 
-  def choice(self, i: int, comp, req: api.Request, call_id: str, chat: bool) -> Choice:
-    """One engine completion as the client's choice (stop strings cut, tool calls parsed)."""
+  def choice(self, i: int, comp, req: api.Request, call_id: str, chat: bool,
+             prefill: str = "") -> Choice:
+    """One engine completion as the client's choice (stop strings cut, tool calls parsed from
+    the `prefill` + the sampled text; `parallel_tool_calls` false: cut after the first call)."""
     ids, lps, finish = list(comp.token_ids), list(comp.logprobs), comp.finish_reason
+    tops = list(comp.top_logprobs) if getattr(comp, "top_logprobs", None) is not None else None
     dec = self.builder.decode
     body = ids[:-1] if ids and ids[-1] in self.stop_ids and finish == "stop" else ids
     cut = api.truncate_at_stop(body, dec, req.stop)
@@ -266,12 +418,17 @@ class Proxy:
       ids, lps, finish = ids[:keep], lps[:keep], "stop"
       text = dec(ids)[:pos]
     else:
-      text = dec(body)
+      keep, text = len(ids), dec(body)
     message = None
     if chat:
       message = {"role": "assistant", "content": text}
-      if req.tools and req.tool_choice == "auto" and self.tool_format:
-        turn = parse_turn(text, self.tool_format)
+      if req.parses_tools and self.tool_format:
+        turn = parse_turn(prefill + text, self.tool_format)
+        if len(turn.tool_calls) > 1 and not turn.malformed and not req.parallel_tool_calls:
+          first = self._first_call_end(ids, prefill, turn.tool_calls[0])
+          if first is not None:
+            keep, ids, lps, text = first, ids[:first], lps[:first], dec(ids[:first])
+            turn = parse_turn(prefill + text, self.tool_format)
         if turn.tool_calls and not turn.malformed:
           calls = [dict(c.to_openai(), id=f"call_{call_id[-12:]}_{i}_{k}")
                    for k, c in enumerate(turn.tool_calls)]
@@ -279,8 +436,27 @@ class Proxy:
           finish = "tool_calls"
         elif turn.malformed:
           self.counts["malformed_tool_calls"] += len(turn.malformed)
-    return Choice(index=i, token_ids=ids, logprobs=[float(x) for x in lps],
-                  finish_reason=finish, version=int(comp.version), text=text, message=message)
+    return ServedChoice(index=i, token_ids=ids, logprobs=[float(x) for x in lps],
+                        finish_reason=finish, version=int(comp.version), text=text,
+                        message=message, top_logprobs=None if tops is None else tops[:keep])
+
+  def _first_call_end(self, ids: list[int], prefill: str, first: ToolCall) -> Optional[int]:
+    """The fewest of the sampled `ids` whose text (after `prefill`) holds the call `first`
+    whole and no other: where `parallel_tool_calls` false cuts an answer (None: it cannot)."""
+    dec, fmt = self.builder.decode, self.tool_format
+
+    def holds(m: int) -> bool:
+      calls = parse_turn(prefill + dec(ids[:m]), fmt).tool_calls
+      return bool(calls) and (calls[0].name, calls[0].arguments) == (first.name, first.arguments)
+    lo, hi = 1, len(ids)
+    while lo < hi:
+      mid = (lo + hi) // 2
+      if holds(mid):
+        hi = mid
+      else:
+        lo = mid + 1
+    turn = parse_turn(prefill + dec(ids[:lo]), fmt)
+    return lo if holds(lo) and len(turn.tool_calls) == 1 and not turn.malformed else None
 
   def response(self, call_id: str, req: api.Request, prompt: Prompt, choices: list[Choice],
                chat: bool) -> dict:
@@ -292,7 +468,8 @@ class Proxy:
       lp = None
       if req.logprobs:
         toks = [self.builder.decode([t]) for t in c.token_ids]
-        lp = (api.token_logprobs(toks, c.logprobs) if chat else
+        tops = self.top_texts(getattr(c, "top_logprobs", None))
+        lp = (api.token_logprobs(toks, c.logprobs, tops) if chat else
               {"tokens": toks, "token_logprobs": c.logprobs, "top_logprobs": None,
                "text_offset": []})
       if chat:
@@ -307,6 +484,13 @@ class Proxy:
     return {"id": call_id, "object": "text_completion", "created": int(time.time()),
             "model": req.model, "choices": out, "usage": usage,
             "system_fingerprint": api.fingerprint(version)}
+
+  def top_texts(self, tops) -> Optional[list[list[tuple[str, float]]]]:
+    """Per token, its alternatives (id, log-prob) as (text, log-prob); None stays None."""
+    if tops is None:
+      return None
+    dec = self.builder.decode
+    return [[(dec([t]), float(x)) for t, x in row] for row in tops]
 
   def end(self, call_id, tenant, session, status, t0, choices=(), response=None, reason=None,
           kind="chat", messages=None, tools=None, prompt: Optional[Prompt] = None) -> None:

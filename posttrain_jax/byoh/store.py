@@ -11,9 +11,10 @@ Nothing is ever updated or deleted. A call is two rows, written at two moments:
               session, where its prompt continues an earlier call: parent call and choice, or
               the reason it does not)
     results   inserted when the call ends: status "complete" (the response reached the client),
-              "incomplete" (the client went away, the stream was cut) or "error" (our engine
-              failed), with per choice the sampled ids, their log-probs, finish reason and
-              policy version, and the latency
+              "incomplete" (the client went away, the stream was cut), "error" (our engine
+              failed) or "rejected" (samples the proxy drew but did not answer with: they missed
+              the request's tool_choice, see server.Proxy.sample), with per choice the sampled
+              ids, their log-probs, finish reason and policy version, and the latency
 
 A call with no results row was cut by the proxy dying: it reads as "incomplete". Only
 "complete" calls are ever trained on. Feedback rows (grades, rubrics, free text) attach to a
@@ -50,7 +51,7 @@ from posttrain_jax.byoh import json_text
 from posttrain_jax.errors import DiskWriteError, disk_cause, disk_errno, disk_fix, free_note
 
 SCHEMA_VERSION = 1
-CALL_STATUSES = ("complete", "incomplete", "error")
+CALL_STATUSES = ("complete", "incomplete", "error", "rejected")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
@@ -156,7 +157,7 @@ class CallRecord:
   parent_call: Optional[str] = None
   parent_choice: Optional[int] = None
   break_reason: Optional[str] = None
-  status: str = "incomplete"      # "complete" | "incomplete" | "error"
+  status: str = "incomplete"      # "complete" | "incomplete" | "error" | "rejected"
   reason: Optional[str] = None    # why incomplete / error
   finished: Optional[float] = None
   response: Optional[dict[str, Any]] = None

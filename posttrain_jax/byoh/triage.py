@@ -222,6 +222,8 @@ _mode("engine_error", "a call our engine failed (infrastructure)")(
     lambda f, cfg, batch: f.statuses.get("error", 0) > 0)
 _mode("incomplete", "a call cut before it ended (client gone, proxy stopped)")(
     lambda f, cfg, batch: f.statuses.get("incomplete", 0) > 0)
+_mode("rejected", "an answer drawn again: it missed the request's forced tool_choice")(
+    lambda f, cfg, batch: f.statuses.get("rejected", 0) > 0)
 _mode("tool_errors", "a tool result that reads as an error")(
     lambda f, cfg, batch: f.tool_errors > 0)
 _mode("malformed_call", "a tool call that does not parse")(

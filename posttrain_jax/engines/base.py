@@ -31,6 +31,11 @@ class SamplingParams:
   top_p: float = 1.0              # nucleus mass kept (1 = off)
   top_k: int = 0                  # keep the k most likely tokens (0 = off)
   stop_token_ids: tuple[int, ...] = ()  # sampling a stop token ends the completion (it is kept)
+  top_logprobs: int = 0           # also return the k most likely tokens at each sampled position
+                                  # (engines whose `max_top_logprobs` >= k; Completion.top_logprobs)
+  response_format: Optional[str] = None  # JSON text of an OpenAI response_format the output must
+                                  # follow ({"type": "json_object"} | {"type": "json_schema",
+                                  # "json_schema": {"schema": ...}}): engines with `guided_decoding`
 
 
 @dataclasses.dataclass
@@ -41,6 +46,9 @@ class Completion:
   finish_reason: str              # "stop" (stop token) | "length" (max_tokens reached) |
                                   # "abort" (cut in flight, e.g. by a weight update) | "error"
   version: int                    # policy version of the weights that sampled it
+  top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per sampled token, the
+                                  # SamplingParams.top_logprobs most likely (id, log-prob) pairs,
+                                  # most likely first, under the distribution `logprobs` uses
 
 
 class Engine(Protocol):
@@ -61,6 +69,21 @@ class Engine(Protocol):
   # Optional: `stream(prompt, sampling, n, seed, cancelled=Event) -> Iterator[list[Completion]]`,
   # the n completions of one prompt as they grow, the last item final and equal to what
   # `generate` returns (JaxSampler). The proxy streams text while it is sampled with it.
+  #
+  # Optional capabilities, class attributes read with `capability(engine, name)` (absent: the
+  # engine cannot, and the proxy refuses a request that needs it rather than ignore it):
+  #   max_top_logprobs: int    the most alternatives per sampled token it returns
+  #                            (SamplingParams.top_logprobs)
+  #   guided_decoding: bool    it constrains decoding to SamplingParams.response_format
+
+
+CAPABILITIES = {"max_top_logprobs": 0, "guided_decoding": False}
+
+
+def capability(engine: Any, name: str):
+  """What `engine` declares for capability `name` (CAPABILITIES: the names and the value of an
+  engine that declares nothing). Wrappers that forward attributes (DecoderWeights) pass it on."""
+  return getattr(engine, name, CAPABILITIES[name])
 
 
 def engine_metrics(engine: Any) -> dict[str, float]:

@@ -11,6 +11,10 @@ Returned log-probs: for temperature tau > 0, `log softmax(z / tau)[y]` -- the te
 scaled distribution *before* top-k / top-p truncation, which is exactly what the learner
 computes at the same temperature (and exactly the sampling distribution when top_k = 0 and
 top_p = 1). For greedy decoding (tau = 0) they are `log softmax(z)[y]`.
+With `SamplingParams.top_logprobs = k`, each step also returns the k largest entries of that
+same log-prob vector (`jax.lax.top_k`, ids and values): the alternatives the OpenAI API's
+`top_logprobs` reports. Under greedy decoding the first of them is the sampled token, with its
+log-prob. Constrained decoding (`response_format`) is not implemented (`guided_decoding` False).
 
 Several processes (a multi-host job; the params are sharded over every process's devices):
 decoding is one SPMD program the whole job runs, so `generate` is a collective that every
@@ -56,12 +60,23 @@ def _round_up(x: int, m: int) -> int:
   return max(m, int(math.ceil(x / m)) * m)
 
 
+def _top(logp_bv, k: int):
+  """The k largest log-probs of each row and their ids: (ids_bk, logps_bk); k = 0: empty."""
+  if k == 0:
+    b = logp_bv.shape[0]
+    return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
+  vals, ids = jax.lax.top_k(logp_bv, k)
+  return ids.astype(jnp.int32), vals
+
+
 def _sample(logits_bv, rng, sp: SamplingParams):
-  """Next ids and their log-probs (see module docstring for the distribution)."""
+  """Next ids, their log-probs, and the `sp.top_logprobs` most likely (ids, log-probs) of the
+  same distribution (see module docstring)."""
   logits_bv = logits_bv.astype(jnp.float32)
   if sp.temperature == 0:
     ids = jnp.argmax(logits_bv, axis=-1)
-    return ids, jnp.take_along_axis(jax.nn.log_softmax(logits_bv), ids[:, None], -1)[:, 0]
+    logp = jax.nn.log_softmax(logits_bv)
+    return ids, jnp.take_along_axis(logp, ids[:, None], -1)[:, 0], *_top(logp, sp.top_logprobs)
   z = logits_bv / sp.temperature
   logp = jax.nn.log_softmax(z)
   masked = z
@@ -75,14 +90,15 @@ def _sample(logits_bv, rng, sp: SamplingParams):
     cutoff = jnp.min(jnp.where(cum_before < sp.top_p, sorted_z, jnp.inf), axis=-1, keepdims=True)
     masked = jnp.where(masked < cutoff, -jnp.inf, masked)
   ids = jax.random.categorical(rng, masked, axis=-1)
-  return ids, jnp.take_along_axis(logp, ids[:, None], -1)[:, 0]
+  return ids, jnp.take_along_axis(logp, ids[:, None], -1)[:, 0], *_top(logp, sp.top_logprobs)
 
 
 def _prefill(model: Decoder, prompt_bp, seg_bp, rng, filler_b, sp: SamplingParams, n: int):
   """The decode state after the prompt: (step, cache, logits, tokens, logps, lengths, done,
-  rng, pos), for the n copies of each of the `prompt_bp` rows (row i of the state is prompt
-  i // n). Filler rows (`filler_b`: the batch bucket's padding) start done, so the loop ends
-  when the real rows have stopped (each row's draws do not depend on the others')."""
+  rng, pos, top_ids, top_logps), for the n copies of each of the `prompt_bp` rows (row i of
+  the state is prompt i // n). Filler rows (`filler_b`: the batch bucket's padding) start
+  done, so the loop ends when the real rows have stopped (each row's draws do not depend on
+  the others')."""
   u, p = prompt_bp.shape
   b = u * n
   cache = init_cache(model.cfg, u, p + sp.max_tokens)
@@ -91,9 +107,12 @@ def _prefill(model: Decoder, prompt_bp, seg_bp, rng, filler_b, sp: SamplingParam
   rep = lambda x: jnp.repeat(x, n, axis=0) if n > 1 else x
   cache = KVCache(k=tuple(map(rep, cache.k)), v=tuple(map(rep, cache.v)),
                   segment_ids=rep(cache.segment_ids), index=cache.index)
+  k = sp.top_logprobs
   return (jnp.zeros((), jnp.int32), cache, rep(model.logits(hidden[:, -1])),
           jnp.zeros((b, sp.max_tokens), jnp.int32), jnp.zeros((b, sp.max_tokens), jnp.float32),
-          jnp.zeros((b,), jnp.int32), filler_b, rng, rep(jnp.sum(seg_bp, axis=1)))
+          jnp.zeros((b,), jnp.int32), filler_b, rng, rep(jnp.sum(seg_bp, axis=1)),
+          jnp.zeros((b, sp.max_tokens, k), jnp.int32),
+          jnp.zeros((b, sp.max_tokens, k), jnp.float32))
 
 
 def _decode(model: Decoder, carry, until, sp: SamplingParams):
@@ -101,21 +120,23 @@ def _decode(model: Decoder, carry, until, sp: SamplingParams):
   stops = jnp.asarray(sp.stop_token_ids or (-1,), jnp.int32)
 
   def cond(carry):
-    step, _, _, _, _, _, done, _, _ = carry
+    step, done = carry[0], carry[6]
     return (step < until) & ~jnp.all(done)
 
   def body(carry):
-    step, cache, logits, tokens, logps, lengths, done, rng, pos = carry
+    step, cache, logits, tokens, logps, lengths, done, rng, pos, top_ids, top_lps = carry
     rng, sub = jax.random.split(rng)
-    ids, lp = _sample(logits, sub, sp)
+    ids, lp, t_ids, t_lps = _sample(logits, sub, sp)
     live = ~done
     tokens = tokens.at[:, step].set(jnp.where(live, ids, 0))
     logps = logps.at[:, step].set(jnp.where(live, lp, 0.0))
+    top_ids = top_ids.at[:, step].set(jnp.where(live[:, None], t_ids, 0))
+    top_lps = top_lps.at[:, step].set(jnp.where(live[:, None], t_lps, 0.0))
     lengths = lengths + live
     done = done | (live & jnp.isin(ids, stops))
     hidden, cache = model(ids[:, None], pos[:, None], live.astype(jnp.int32)[:, None], cache)
     return (step + 1, cache, model.logits(hidden[:, 0]), tokens, logps, lengths, done, rng,
-            pos + 1)
+            pos + 1, top_ids, top_lps)
 
   return jax.lax.while_loop(cond, body, carry)
 
@@ -153,6 +174,9 @@ class _Static:
 class JaxSampler:
   """The default engine: decodes with the learner's params in this process."""
 
+  max_top_logprobs = 20           # capabilities (engines/base.py): top-k alternatives, yes
+  guided_decoding = False         # constrained decoding (response_format), no
+
   def __init__(self, model: Decoder, cfg: JaxSamplerConfig = JaxSamplerConfig(), version: int = 0):
     self.cfg = cfg
     self._graphdef, params = nnx.split(model, nnx.Param)
@@ -175,7 +199,11 @@ class JaxSampler:
     with self._lock:  # a generate() already running keeps the pair it read
       self._params, self._version = weights, version
 
-  def _check(self, prompts: Sequence[Sequence[int]], seed: Optional[int]) -> int:
+  def _check(self, prompts: Sequence[Sequence[int]], seed: Optional[int],
+             sampling: SamplingParams) -> int:
+    if sampling.response_format is not None:
+      raise ValueError("JaxSampler cannot constrain decoding (SamplingParams.response_format); "
+                       "use an engine with guided_decoding (vllm)")
     for i, prompt in enumerate(prompts):
       if not 0 < len(prompt) <= self.cfg.max_prompt_len:
         raise PromptTooLongError(i, f"prompt {i} has {len(prompt)} tokens; the sampler accepts "
@@ -199,7 +227,7 @@ class JaxSampler:
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, n: int = 1,
                seed: Optional[int] = None) -> list[list[Completion]]:
     """G = n completions of each prompt. Several processes: a collective (module docstring)."""
-    seed = self._check(prompts, seed)
+    seed = self._check(prompts, seed, sampling)
     mine = list(range(len(prompts)))
     if jax.process_count() > 1:
       prompts, mine, seed = _job_prompts(prompts, n, seed)
@@ -213,14 +241,18 @@ class JaxSampler:
     carry = _start(self._static, params, *_inputs(params, ids, seg, seed, rows, n),
                    sp=sampling, n=n)
     carry = _continue(self._static, params, carry, sampling.max_tokens, sp=sampling)
-    tokens, logps, lengths, done = _fetch(carry[3:7])
+    want_tops = sampling.top_logprobs > 0
+    fetched = _fetch((*carry[3:7], *carry[9:11]) if want_tops else carry[3:7])
+    tokens, logps, lengths, done = fetched[:4]
+    top_ids, top_lps = fetched[4:] if want_tops else (None, None)
     out = []
     for r in range(rows):
       n_tok = int(lengths[r])
       out.append(Completion(token_ids=tokens[r, :n_tok].tolist(),
                             logprobs=logps[r, :n_tok].astype(float).tolist(),
                             finish_reason="stop" if done[r] else "length",
-                            version=version))
+                            version=version,
+                            top_logprobs=_tops(top_ids, top_lps, r, 0, n_tok)))
     return [out[i * n:(i + 1) * n] for i in mine]
 
   def stream(self, prompt: Sequence[int], sampling: SamplingParams, n: int = 1,
@@ -233,30 +265,45 @@ class JaxSampler:
     (nothing more is yielded) once `cancelled` is set. One process only."""
     if jax.process_count() > 1:
       raise NotImplementedError("JaxSampler.stream runs in one process (the proxy's)")
-    seed = self._check([prompt], seed)
+    seed = self._check([prompt], seed, sampling)
     ids, seg = self._layout([list(prompt)], n)
     params, version = self._snapshot()
     carry = _start(self._static, params, *_inputs(params, ids, seg, seed, n, n),
                    sp=sampling, n=n)
     toks: list[list[int]] = [[] for _ in range(n)]
     lps: list[list[float]] = [[] for _ in range(n)]
+    tops: list[list] = [[] for _ in range(n)]
+    want_tops = sampling.top_logprobs > 0
     step = 0
     while True:
       prev, step = step, min(step + max(chunk_tokens, 1), sampling.max_tokens)
       carry = _continue(self._static, params, carry, step, sp=sampling)
       # only this chunk's columns come to the host (a row's tokens end at its length)
-      tokens, logps, lengths, done = jax.device_get(
-          (carry[3][:n, prev:step], carry[4][:n, prev:step], carry[5][:n], carry[6][:n]))
+      tokens, logps, lengths, done, top_ids, top_lps = jax.device_get(
+          (carry[3][:n, prev:step], carry[4][:n, prev:step], carry[5][:n], carry[6][:n],
+           carry[9][:n, prev:step] if want_tops else None,
+           carry[10][:n, prev:step] if want_tops else None))
       for r in range(n):
         k = int(lengths[r]) - len(toks[r])
         toks[r] += tokens[r, :k].tolist()
         lps[r] += logps[r, :k].astype(float).tolist()
+        if want_tops:
+          tops[r] += _tops(top_ids, top_lps, r, 0, k)
       last = step >= sampling.max_tokens or bool(done.all())
       yield [Completion(token_ids=list(toks[r]), logprobs=list(lps[r]),
                         finish_reason="stop" if done[r] else ("length" if last else ""),
-                        version=version) for r in range(n)]
+                        version=version, top_logprobs=list(tops[r]) if want_tops else None)
+             for r in range(n)]
       if last or (cancelled is not None and cancelled.is_set()):
         return
+
+
+def _tops(top_ids, top_lps, r: int, lo: int, hi: int) -> Optional[list[list[tuple[int, float]]]]:
+  """Row r's alternatives at positions lo..hi-1 as (id, log-prob) lists; None when not asked."""
+  if top_ids is None:
+    return None
+  return [list(zip(top_ids[r, t].tolist(), top_lps[r, t].astype(float).tolist()))
+          for t in range(lo, hi)]
 
 
 def _job_prompts(prompts, n: int, seed: int) -> tuple[list[list[int]], list[int], int]:

@@ -25,6 +25,13 @@ request on CPU has a torch CPU generator, which has no offset, so the whole engi
 prompt is prefilled in one step (vLLM raises the budget to at least max_model_len).
 `llm_kwargs=(("enable_chunked_prefill", True),)` turns it back on.
 
+Top log-probs and structured output. `SamplingParams.top_logprobs = k` asks vLLM for the k
+most likely tokens at each sampled position (`logprobs=k`), from the same processed distribution
+as the sampled token's log-prob; `SamplingParams.response_format` (json_object / json_schema)
+becomes vLLM's structured outputs (`StructuredOutputsParams`: decoding constrained by a grammar).
+The grammar ends on the model's EOS (config.json's `eos_token_id`), which must be among
+`stop_token_ids` (EOS is otherwise ignored; launch/serve.py's stops include it).
+
 EOS. Only `SamplingParams.stop_token_ids` end a completion (vLLM's implicit EOS stop is
 off, `ignore_eos=True`), as in the embedded sampler; the stop token is kept.
 
@@ -232,16 +239,45 @@ def _cpu_platform() -> bool:
   return current_platform.is_cpu()
 
 
+def _structured(response_format: Optional[str]):
+  """SamplingParams.response_format (an OpenAI response_format, JSON text) as vLLM's structured
+  outputs: json_object -> any JSON object, json_schema -> JSON following its `schema`."""
+  if response_format is None:
+    return None
+  from vllm.sampling_params import StructuredOutputsParams
+  fmt = json.loads(response_format)
+  if fmt.get("type") == "json_object":
+    return StructuredOutputsParams(json_object=True)
+  if fmt.get("type") == "json_schema":
+    return StructuredOutputsParams(json=(fmt.get("json_schema") or {}).get("schema") or {})
+  raise EngineError(f"response_format {response_format}: valid types json_object, json_schema")
+
+
 def _vllm_sampling(sp: SamplingParams, n: int, seed: Optional[int], **extra):
   import vllm
+  structured = _structured(sp.response_format)
+  if structured is not None:
+    extra["structured_outputs"] = structured
   return vllm.SamplingParams(
       n=n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_tokens,
       stop_token_ids=list(sp.stop_token_ids), ignore_eos=True, seed=seed, detokenize=False,
       skip_special_tokens=False, **extra)
 
 
+def _tops(ids: list[int], logprobs, k: int) -> Optional[list[list[tuple[int, float]]]]:
+  """The k most likely (id, log-prob) of each position from vLLM's per-position dicts (they
+  hold the top k by rank, plus the sampled token when it is not among them)."""
+  if k == 0:
+    return None
+  return [sorted(((t, d[t].logprob) for t in d if d[t].rank is not None and d[t].rank <= k),
+                 key=lambda x: -x[1])[:k] for d in logprobs[:len(ids)]]
+
+
 class VLLMEngine:
   """A `vllm.LLM` in this process, behind the Engine protocol (see module docstring)."""
+
+  max_top_logprobs = 20           # capabilities (engines/base.py): vLLM's default max_logprobs
+  guided_decoding = True          # SamplingParams.response_format -> vLLM structured outputs
 
   def __init__(self, cfg: VLLMEngineConfig, version: int = 0):
     self.cfg = cfg
@@ -300,7 +336,8 @@ class VLLMEngine:
       return []
     self._check_prompts(prompts, sampling.max_tokens)
     from vllm.inputs import TokensPrompt
-    params = [_vllm_sampling(sampling, n, None if seed is None else seed + i * n, logprobs=0)
+    params = [_vllm_sampling(sampling, n, None if seed is None else seed + i * n,
+                             logprobs=sampling.top_logprobs)
               for i in range(len(prompts))]
     with self._lock:
       self._ready()
@@ -315,7 +352,8 @@ class VLLMEngine:
         ids = list(c.token_ids)
         comps.append(Completion(
             token_ids=ids, logprobs=[d[t].logprob for t, d in zip(ids, c.logprobs)],
-            finish_reason=c.finish_reason or "length", version=version))
+            finish_reason=c.finish_reason or "length", version=version,
+            top_logprobs=_tops(ids, c.logprobs, sampling.top_logprobs)))
       result.append(comps)
     return result
 

@@ -195,7 +195,9 @@ def test_bad_requests_are_anthropic_4xx_and_record_nothing(tmp_path):
         ({**good, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400,
          invalid, "tools[0].type"),
         ({**good, "temperature": 1.5}, 400, invalid, "temperature"),
-        ({**good, "tool_choice": {"type": "any"}}, 400, invalid, "tool_choice"),
+        ({**good, "tool_choice": {"type": "any"}}, 400, invalid, "tool_choice"),   # no tools
+        ({**good, "tool_choice": {"type": "tool", "name": "mul"}, "tools": TOOLS}, 400, invalid,
+         "tool_choice.name"),
         ({**good, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, invalid,
          "thinking"),
         ({**good, "stop_sequences": "STOP"}, 400, invalid, "stop_sequences"),
@@ -214,7 +216,7 @@ def test_bad_requests_are_anthropic_4xx_and_record_nothing(tmp_path):
     assert got == 400 and "anthropic-version" in err["error"]["message"]
     client = anthropic_client(url)
     with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
-      client.messages.create(tool_choice={"type": "any"}, tools=TOOLS, **good)
+      client.messages.create(tool_choice={"type": "tool", "name": "mul"}, tools=TOOLS, **good)
     with pytest.raises(anthropic.NotFoundError, match="claude-x"):
       client.messages.create(**{**good, "model": "claude-x"})
     assert proxy.store.calls("default") == [] and engine.calls == 0

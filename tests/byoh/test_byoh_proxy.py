@@ -274,7 +274,9 @@ def test_bad_requests_are_openai_4xx_and_record_nothing(tmp_path):
         ({**good, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
         ({**good, "temperature": "hot"}, 400, "temperature"),
         ({**good, "max_tokens": 10_000}, 400, "max_tokens"),
-        ({**good, "tool_choice": "required", "tools": TOOLS}, 400, "tool_choice"),
+        ({**good, "tool_choice": "required"}, 400, "tool_choice"),   # no tools to call
+        ({**good, "tool_choice": {"type": "function", "function": {"name": "mul"}},
+          "tools": TOOLS}, 400, "tool_choice.function.name"),
         ({**good, "frobnicate": 1}, 400, "frobnicate"),
         ({**good, "n": 0}, 400, "n"),
         ({**good, "messages": [{"role": "user", "content": "word " * 400}]}, 400, "messages"),

@@ -140,7 +140,9 @@ def test_bad_requests_are_responses_4xx_and_record_nothing(tmp_path):
         ({**good, "tools": [{"type": "function", "parameters": SCHEMA}]}, 400, "tools[0].name"),
         ({**good, "temperature": "hot"}, 400, "temperature"),
         ({**good, "max_output_tokens": 10_000}, 400, "max_output_tokens"),
-        ({**good, "tool_choice": "required", "tools": TOOLS}, 400, "tool_choice"),
+        ({**good, "tool_choice": "required"}, 400, "tool_choice"),   # no tools to call
+        ({**good, "tool_choice": {"type": "function", "name": "mul"}, "tools": TOOLS}, 400,
+         "tool_choice.name"),
         ({**good, "text": {"format": {"type": "json_object"}}}, 400, "text"),
         ({**good, "stream": "yes"}, 400, "stream"),
         ({**good, "frobnicate": 1}, 400, "frobnicate"),
@@ -161,7 +163,8 @@ def test_bad_requests_are_responses_4xx_and_record_nothing(tmp_path):
     assert got == 400 and "not valid JSON" in err["error"]["message"]
     client = openai_client(url)
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
-      client.responses.create(model=MODEL, input="x", tools=TOOLS, tool_choice="required")
+      client.responses.create(model=MODEL, input="x", tools=TOOLS,
+                              tool_choice={"type": "function", "name": "mul"})
     with pytest.raises(openai.NotFoundError, match="resp_nope"):
       client.responses.create(model=MODEL, input="x", previous_response_id="resp_nope")
     assert proxy.store.calls("default") == [] and engine.calls == 0

@@ -84,6 +84,40 @@ def test_stop_tokens_seeds_and_greedy(live):
 
 
 @vt.needs_vllm
+def test_top_logprobs_and_structured_output(live):
+  """top_logprobs=k: k alternatives per token, most likely first; greedy, the first is the
+  sampled token with its log-prob. response_format json_schema: vLLM's structured outputs
+  constrain the text (the noised tiny model, unconstrained, almost never starts with "{"); an
+  answer that ends (the grammar is done) is JSON of the schema."""
+  engine, _ = live
+  (c,), = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0.0,
+                                                       top_logprobs=3), n=1, seed=0)
+  assert len(c.top_logprobs) == len(c.token_ids) == 8
+  for t, lp, tops in zip(c.token_ids, c.logprobs, c.top_logprobs):
+    assert len(tops) == 3 and [x for _, x in tops] == sorted((x for _, x in tops), reverse=True)
+    assert tops[0][0] == t and tops[0][1] == pytest.approx(lp, abs=1e-6)
+  tok = hf_io.load_tokenizer(engine.cfg.model)
+  eos = hf_io.read_model_config(engine.cfg.model).eos_token_id   # the grammar ends on one
+  stops = tuple(eos) if isinstance(eos, tuple) else (eos,)       # (launch/serve.py stops on all)
+  schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+            "additionalProperties": False}
+  fmt = json.dumps({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+  outs = engine.generate(PROMPTS[:1], SamplingParams(
+      max_tokens=64, temperature=1.0, response_format=fmt,
+      stop_token_ids=stops), n=4, seed=0)[0]
+  ended = 0
+  for c in outs:
+    ids = c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids
+    text = tok.decode(ids)
+    assert text.lstrip().startswith("{"), text
+    if c.finish_reason == "stop":
+      ended += 1
+      assert set(json.loads(text)) == {"a"} and isinstance(json.loads(text)["a"], bool)
+  assert ended > 0 and engine.generate(PROMPTS[:1], SamplingParams(max_tokens=4), n=1)[0][
+      0].top_logprobs is None
+
+
+@vt.needs_vllm
 def test_seeded_prompts_beyond_one_steps_token_budget(live):
   """The in-process engine (chunked prefill off on CPU: vllm_engine.py)."""
   vt.check_prompts_beyond_one_steps_token_budget(live[0])
