@@ -34,14 +34,13 @@ def pytest_configure(config):
                                      "fewer fail on CPU and under CI, skip elsewhere)")
 
 
-_BUDGET_SKIPPED: list[str] = []
+_BUDGET_REASON = "not run: the slow stage's time budget (PTJ_SLOW_DEADLINE={}) is spent"
 
 
 def pytest_runtest_setup(item):
   deadline = os.environ.get("PTJ_SLOW_DEADLINE")
   if deadline and item.get_closest_marker("slow") and time.time() > float(deadline):
-    _BUDGET_SKIPPED.append(item.nodeid)
-    pytest.skip(f"not run: the slow stage's time budget (PTJ_SLOW_DEADLINE={deadline}) is spent")
+    pytest.skip(_BUDGET_REASON.format(deadline))
   marker = item.get_closest_marker("devices")
   if marker is None:
     return
@@ -57,7 +56,11 @@ def pytest_runtest_setup(item):
 
 
 def pytest_terminal_summary(terminalreporter):
-  if _BUDGET_SKIPPED:
+  """Counts the budget's skips from the reports, so xdist workers' skips are counted too."""
+  marker = _BUDGET_REASON.split("{")[0]
+  skipped = [r.nodeid for r in terminalreporter.stats.get("skipped", [])
+             if isinstance(r.longrepr, tuple) and marker in str(r.longrepr[-1])]
+  if skipped:
     terminalreporter.write_line(
-        f"{len(_BUDGET_SKIPPED)} slow test(s) NOT RUN for lack of CI time (PTJ_SLOW_DEADLINE): "
-        + ", ".join(_BUDGET_SKIPPED))
+        f"{len(skipped)} slow test(s) NOT RUN for lack of CI time (PTJ_SLOW_DEADLINE): "
+        + ", ".join(skipped))
