@@ -82,6 +82,11 @@ SUITE = (
           full_only="its warm start searches SFT rounds for a 0.28 start (over 7 min here)"),
     Bench("trace_triage", "trace triage: failure-mode recall/precision on labelled sessions",
           ("--sessions", "150"), ("macro_precision", "macro_recall"), 120),
+    Bench("lora", "LoRA vs full fine-tuning: learner step s and peak MB, vLLM sync MB and s",
+          ("--model", "tiny", "--rank", "8", "--rows", "4", "--seq_len", "128", "--repeats", "2",
+           "--syncs", "2"),
+          ("lora_step_s", "full_step_s", "lora_peak_mb", "full_peak_mb", "lora_sync_mb",
+           "full_sync_mb", "lora_sync_s", "full_sync_s"), 300),
 )
 
 

@@ -3,7 +3,10 @@
     student     the current parameters (before this step's update)
     ema         θ_T ← θ_T + r (θ − θ_T) after every update (rate `ema_rate`, SDPO's 0.05),
                 starting from the RL start weights; saved with every checkpoint, so a resumed
-                run continues the same average
+                run continues the same average. With LoRA θ is the adapters alone (A and B
+                averaged each, as the optimizer sees them): the base never moves, so its
+                average is itself and the teacher scores with the learner's own frozen base
+                (no second copy of it, in memory or in the checkpoint)
     frozen      the RL start weights throughout (the reference's own copy when the run has one)
     checkpoint  another model read from `rl.teacher.checkpoint` (an HF directory: its own graph,
                 sharded on the learner's mesh, never updated); any size and architecture, but the
@@ -30,12 +33,13 @@ import pathlib
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from posttrain_jax.errors import UserError
 from posttrain_jax.learner import LearnerConfig, hidden_states, token_logprobs
-from posttrain_jax.models import hf_io
+from posttrain_jax.models import hf_io, lora
 from posttrain_jax.models.decoder import Decoder
 from posttrain_jax.registry import Registry
 from posttrain_jax.types import TrainBatch
@@ -51,8 +55,10 @@ class TeacherStart:
   learner: Any                                  # the RL learner (mesh, graphdef, params)
   start_params: Callable[[], Any]               # the RL start weights (a copy)
   restored: Callable[[str], Optional[Any]]      # arrays saved under a name at the resumed
-                                                # checkpoint (None when not resuming);
-                                                # raises when a resumed checkpoint lacks them
+                                                # checkpoint, shaped like the learner's trained
+                                                # params (TrainState.params: with LoRA the
+                                                # adapters); None when not resuming; raises
+                                                # when a resumed checkpoint lacks them
   load: Callable[[str], Decoder]                # an HF directory -> a Decoder on the mesh
 
 
@@ -86,7 +92,7 @@ class _Own:
   def step_inputs(self, learner) -> dict:
     if not learner.spec.head:
       return {}
-    w, _ = nnx.merge(learner.graphdef, self._params).head()
+    w, _ = nnx.merge(learner.graphdef, self.params(learner)).head()
     return {"teacher_w": w}
 
   def after_update(self, learner) -> None:
@@ -129,7 +135,9 @@ class Frozen(_Own):
 
 @TEACHER_WEIGHTS.register("ema")
 class Ema(_Own):
-  """An exponential moving average of the student, saved with every checkpoint."""
+  """An exponential moving average of the student's trained parameters (TrainState.params:
+  with LoRA the adapters alone, joined to the learner's frozen base to score), saved with every
+  checkpoint."""
 
   def __init__(self, params: Any = None, rate: float = 0.05):
     super().__init__(params)
@@ -138,10 +146,18 @@ class Ema(_Own):
   @classmethod
   def start(cls, cfg, ctx: TeacherStart) -> "Ema":
     restored = ctx.restored("teacher")
-    return cls(restored if restored is not None else ctx.start_params(), cfg.ema_rate)
+    if restored is None:
+      learner = ctx.learner
+      # the RL start: with LoRA the fresh adapters (copied: the learner donates its buffers)
+      restored = (ctx.start_params() if learner.frozen is None
+                  else jax.tree.map(jnp.copy, learner.state.params))
+    return cls(restored, cfg.ema_rate)
+
+  def params(self, learner):
+    return lora.join(learner.frozen, self._params)
 
   def after_update(self, learner) -> None:
-    self._params = ema_update(self._params, learner.params, self.rate)
+    self._params = ema_update(self._params, learner.state.params, self.rate)
 
   def saved(self) -> dict:
     return {"teacher": self._params}

@@ -17,7 +17,9 @@ or serving starts (so a missing package or a setting the model cannot serve fail
 second, not after the SFT phase); `field` is where the config sits ("config.rl.engine_config"
 for training), `serving` is True behind the proxy (launch/serve.py), which syncs no weights.
 Every module of `posttrain_jax.engines` is imported on first lookup, so a new engine is one new
-file (plus its test). The built engine's `update_weights` takes the learner's parameter dict.
+file (plus its test). The built engine's `update_weights` takes the learner's parameter dict
+(with LoRA: the base joined with the adapters; `EngineContext.lora` says so, and an engine that
+serves adapters, such as vLLM with `enable_lora`, sends the adapters alone).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Any, Callable, Optional
 
 from flax import nnx
 
+from posttrain_jax.models.lora import LoRAConfig
 from posttrain_jax.registry import Registry
 
 
@@ -40,6 +43,8 @@ class EngineContext:
   max_prompt_len: int             # longest prompt (tokens) the run expects to send
   max_tokens: int                 # longest completion it asks for
   pad_id: int = 0                 # the tokenizer's pad id
+  lora: LoRAConfig = LoRAConfig()  # the learner's adapters (rank 0: none); an engine that can
+                                  # serve adapters on the start weights may sync them alone
 
 
 @dataclasses.dataclass(frozen=True)

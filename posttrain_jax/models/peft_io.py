@@ -89,6 +89,17 @@ def adapter_config(model: Decoder, *, alpha: float, dropout: float = 0.0,
   }
 
 
+def write_adapter(directory: os.PathLike, tensors: list[tuple[str, np.ndarray]],
+                  config: dict) -> int:
+  """Writes `peft_tensors` and `adapter_config` output into the existing `directory` (this
+  process alone, not atomically: an engine's private copy); the bytes written."""
+  directory = pathlib.Path(directory)
+  write_safetensors(directory / WEIGHTS_FILE, tensors)
+  text = json.dumps(config, indent=2)
+  (directory / CONFIG_FILE).write_text(text)
+  return (directory / WEIGHTS_FILE).stat().st_size + len(text.encode())
+
+
 def save_peft_adapter(model: Decoder, out_dir: os.PathLike, *, alpha: float, dropout: float = 0.0,
                       base_model_name_or_path: Optional[str] = None) -> pathlib.Path:
   """Writes `model`'s adapters (a LoRA learner's `model()`; `alpha`, `dropout`: its LoRAConfig's)
@@ -99,12 +110,12 @@ def save_peft_adapter(model: Decoder, out_dir: os.PathLike, *, alpha: float, dro
   tensors = peft_tensors(model)   # every process gathers
   if jax.process_index() == 0:
     with atomic_directory(out_dir, sum(a.nbytes for _, a in tensors)) as tmp:
-      write_safetensors(tmp / WEIGHTS_FILE, tensors)
-      (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+      write_adapter(tmp, tensors, config)
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices(f"save_peft_adapter {out_dir}")
   return out_dir
 
 
-__all__ = ["save_peft_adapter", "adapter_config", "peft_tensors", "CONFIG_FILE", "WEIGHTS_FILE"]
+__all__ = ["save_peft_adapter", "adapter_config", "peft_tensors", "write_adapter", "CONFIG_FILE",
+           "WEIGHTS_FILE"]

@@ -20,7 +20,10 @@ derive from (seed, step), so a resumed sync run replays exactly the steps an uni
 takes. Resuming reads the run state first and compares its config (checks.py: fields that
 change what the saved state means are refused); the TrainState is restored into abstract
 shapes. The SFT -> RL boundary is atomic: `sft_model/` is exported before the step-`sft.steps`
-checkpoint is written, and re-exported from that checkpoint if it is missing.
+checkpoint is written, and re-exported from that checkpoint if it is missing. At the end the
+model goes to `final_model/` (LoRA merged into it) and, with LoRA, its adapters alone to
+`final_adapter/` (PEFT's format; base_model_name_or_path: the RL start, `sft_model/` or the
+model).
 
 Preemption (`preempt`, a threading.Event: launch/train.py sets it on SIGTERM / SIGINT): the run
 stops at the next step boundary, closes the rollout source (async: in-flight episodes finish
@@ -48,7 +51,7 @@ from posttrain_jax.config_io import to_dict
 from posttrain_jax.errors import DiskWriteError, disk_cause, disk_errno, disk_fix, free_note
 from posttrain_jax.learner import Learner
 from posttrain_jax.metrics import MetricsWriter, plot_run, read_metrics
-from posttrain_jax.models import hf_io
+from posttrain_jax.models import hf_io, peft_io
 from posttrain_jax.multihost import mean_over_processes
 from posttrain_jax.run import checks, stops
 from posttrain_jax.run.evaluation import Evaluator
@@ -270,8 +273,13 @@ class Trainer:
     else:
       self.final_eval = self._timed_eval(engine, learner, self.end_step - sft_steps)
       writer.write(self.end_step, dict(self.final_eval))
-    hf_io.save_hf_model(learner.model(), self.workdir / "final_model",
-                        tokenizer_dir=parts.model_dir)
+    final = learner.model()
+    hf_io.save_hf_model(final, self.workdir / "final_model", tokenizer_dir=parts.model_dir)
+    if cfg.learner.lora.enabled:   # the adapters alone, in PEFT's format, on top of `base`
+      lora = cfg.learner.lora
+      peft_io.save_peft_adapter(final, self.workdir / "final_adapter", alpha=lora.alpha,
+                                dropout=lora.dropout,
+                                base_model_name_or_path=str(base.resolve()))
     return self.end_step
 
   def _follow(self, source, learner: Learner) -> None:

@@ -115,7 +115,7 @@ class Parts:
             f"{self.cfg.rl.teacher.weights!r} teacher (no {name!r} arrays: it was written with "
             "another rl.teacher.weights); resume with the saved value or start over with "
             "--noresume")
-      return ckpt.restore_arrays(name, learner.params, restore_step)
+      return ckpt.restore_arrays(name, learner.state.params, restore_step)  # LoRA: adapters
 
     def start_params():
       if reference is not None:
@@ -130,7 +130,8 @@ class Parts:
     """An engine of `rl.engine` serving `base` (the RL start) at version 0."""
     ctx = EngineContext(model_dir=base, model_config=self.model_cfg, model=learner.model(),
                         graphdef=learner.graphdef, max_prompt_len=self.limits.max_prompt,
-                        max_tokens=self.limits.max_tokens, pad_id=self.tokenizer.pad_token_id or 0)
+                        max_tokens=self.limits.max_tokens, pad_id=self.tokenizer.pad_token_id or 0,
+                        lora=learner.cfg.lora)
     return self.engine_spec.build(self.engine_cfg, ctx)
 
   def episode(self, engine):

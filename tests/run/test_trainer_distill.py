@@ -36,17 +36,22 @@ def test_attempts_without_feedback_have_no_teacher_and_are_counted(tmp_path):
     assert r["distill/no_context_frac"] == 1.0 and r["distill/teacher_token_frac"] == 0.0
 
 
-@pytest.mark.parametrize("loss", ["sampled_distill", "full_distill"])
+@pytest.mark.parametrize("loss, lora", [("sampled_distill", None), ("full_distill", None),
+                                        ("full_distill", {"rank": 4, "alpha": 8.0})])
 @pytest.mark.slow  # > 30 s: CI's slow stage
-def test_an_ema_teacher_resumes_bit_for_bit(tmp_path, loss):
+def test_an_ema_teacher_resumes_bit_for_bit(tmp_path, loss, lora):
   """Stop at step 2 of 4 and resume: the EMA saved with the checkpoint is restored, so the EMA
-  and the final weights equal an uninterrupted run's exactly (and the EMA is not the student)."""
+  and the final weights equal an uninterrupted run's exactly (and the EMA is not the student).
+  With LoRA the EMA (and its checkpoint item) is the adapters alone."""
   from posttrain_jax.checkpoint import Checkpointer
+  from posttrain_jax.learner import abstract_train_state
   from tests.support.runs import final_weights
   teacher = {"weights": "ema", "ema_rate": 0.5, "template": "{context} | {prompt}",
              "feedback_template": "{text}", "seq_len": 48}
-  over = dict(steps=4, teacher=teacher,
-              learner={"loss": loss, "optimizer": {"learning_rate": 1e-3}},
+  learner = {"loss": loss, "optimizer": {"learning_rate": 1e-3 if lora is None else 3e-2}}
+  if lora is not None:
+    learner["lora"] = lora
+  over = dict(steps=4, teacher=teacher, learner=learner,
               loss={"topk": 8} if loss == "full_distill" else None)
   cfg = lambda d, **kw: run_config_from_dict({**_as_dict(distill_run(tmp_path / d, **over)),
                                               "checkpoint": {"every_steps": 2}, **kw})
@@ -58,10 +63,16 @@ def test_an_ema_teacher_resumes_bit_for_bit(tmp_path, loss):
   a, b = final_weights(tmp_path / "a" / "final_model"), final_weights(tmp_path / "b" / "final_model")
   for k in a:
     np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-  like = nnx.to_pure_dict(nnx.state(hf_io.load_hf_model(straight.parts.model_dir), nnx.Param))
+  model = hf_io.load_hf_model(straight.parts.model_dir)
+  like = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  if lora is not None:   # the adapters' shapes; the start: the learner's fresh adapters
+    like = abstract_train_state(model, straight.cfg.rl.learner).params
+    assert all(str(p[-1].key).startswith("lora_") for p, _ in jax.tree.leaves_with_path(like))
   ema = {d: Checkpointer(tmp_path / d / "checkpoints").restore_arrays("teacher", like, 4)
          for d in ("a", "b")}
-  start = jax.tree.leaves(like)
+  start = (jax.tree.leaves(like) if lora is None else
+           jax.tree.leaves(Checkpointer(tmp_path / "a" / "checkpoints").restore_arrays(
+               "teacher", like, 2)))   # the EMA at step 2 (it moves on after)
   moved = False
   for ea, eb, s0 in zip(jax.tree.leaves(ema["a"]), jax.tree.leaves(ema["b"]), start):
     np.testing.assert_array_equal(np.asarray(ea), np.asarray(eb))
