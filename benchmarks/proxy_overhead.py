@@ -11,14 +11,27 @@ difference, reported at p50 / p99, beside the cost of a bare HTTP round trip to 
 (each its own session) for sustained calls/s. Ends with
 `RESULT p50_overhead_ms=… p99_overhead_ms=… calls_per_s=…`.
 
-    python benchmarks/proxy_overhead.py --out FILE.json [--calls 300] [--concurrency 32] [--smoke]
+`--vary`: a harness that varies its options (issue 31 item 3). `--clients` (16) client threads
+through the proxy, after a warm-up that compiles each length bucket once (engines/sampling.py):
+first every call with the same options (temperature 1, top_p 1, max_tokens 32), then every
+call drawing its own temperature (0 for one in five), top_p, top_k and max_tokens (1..64), but
+one client's one call asks for `--long_tokens` (4096; the tiny model is built with an 8192-token
+context so that it fits; greedy, so EOS rarely ends it early). Latencies are of the short calls;
+the long call is reported beside them (and the varied calls once more without it, first), with
+the sampler's compiles after the warm-up (GET /health `engine_compiles`). Ends with
+`RESULT p50_fixed_ms=… p50_varied_ms=… p99_varied_ms=… recompiles=…`.
 
-`--smoke`: 5 paired calls, 2 clients x 2 calls (seconds, for CI).
+    python benchmarks/proxy_overhead.py --out FILE.json [--calls 300] [--concurrency 32] [--smoke]
+    python benchmarks/proxy_overhead.py --out FILE.json --vary [--clients 16] [--smoke]
+
+`--smoke`: 5 paired calls, 2 clients x 2 calls (seconds, for CI); with `--vary`, 2 clients x 2
+calls and a long call of 256 tokens.
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import os
 import pathlib
 import subprocess
 import sys
@@ -45,6 +58,112 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _serve(port: int, synchronous: str, *flags: str) -> subprocess.Popen:
+  """`launch/serve.py` on the tiny model in its own process, once it accepts calls."""
+  db = pathlib.Path(tempfile.mkdtemp()) / "traces.db"
+  proc = subprocess.Popen(
+      [sys.executable, str(ROOT / "launch" / "serve.py"), f"--config.port={port}",
+       f"--config.store.path={db}", f"--config.store.synchronous={synchronous}",
+       "--config.max_prompt_tokens=256", "--config.proxy.workers=8",
+       *[f"--config.tiny.{k}={v}" for k, v in SMALL.items()], *flags],
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  line = proc.stdout.readline()
+  if not line.startswith("serving"):
+    proc.kill()
+    raise SystemExit(f"the proxy did not start: {line}{proc.stdout.read()}")
+  return proc
+
+
+def _options(rng: np.random.Generator) -> dict:
+  """One varied call's sampling options (module docstring)."""
+  out = {"temperature": 0.0 if rng.random() < 0.2 else round(float(rng.uniform(0.1, 1.5)), 3),
+         "max_tokens": int(rng.integers(1, 65))}
+  if rng.random() < 0.7:
+    out["top_p"] = round(float(rng.uniform(0.5, 1.0)), 3)
+  if rng.random() < 0.3:
+    out["top_k"] = int(rng.integers(1, 50))
+  return out
+
+
+def vary(args, info) -> None:
+  """--vary (module docstring)."""
+  messages = [{"role": "user", "content": "Compute 12+30."}]
+  body = {"model": "posttrain_jax", "messages": messages}
+  port = _free_port()
+  proc = _serve(port, args.synchronous, "--config.tiny.max_position_embeddings=8192",
+                *args.serve_flag)
+  base = f"http://127.0.0.1:{port}"
+  url = base + "/v1/chat/completions"
+  calls = iter(range(1 << 30))   # a session per call: every prompt is the same few tokens
+
+  def post(client: httpx.Client, **options) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    r = client.post(url, json={**body, **options}, headers={"X-Session-Id": f"s{next(calls)}"})
+    r.raise_for_status()
+    return time.perf_counter() - t0, r.json()["usage"]["completion_tokens"]
+
+  def compiles() -> int:   # -1: the engine does not count them
+    return int(httpx.get(base + "/health").json().get("engine_compiles", -1))
+
+  def clients(work) -> list:
+    with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
+      return [x for out in pool.map(work, range(args.clients)) for x in out]
+  try:
+    with httpx.Client(timeout=600) as c:
+      for max_tokens in (16, 32, 64, args.long_tokens // 2 + 1):   # each length bucket once
+        post(c, max_tokens=max_tokens, temperature=1.0, seed=0)
+    warm = compiles()
+
+    def fixed(k):
+      with httpx.Client(timeout=600) as c:
+        return [post(c, max_tokens=32, temperature=1.0, seed=k * 1000 + j)[0]
+                for j in range(args.calls_per_client)]
+    fixed_ms = np.array(clients(fixed)) * 1e3
+    long_out = {}
+
+    def varied(k, long=True):
+      rng = np.random.default_rng([k, int(long)])   # each phase draws values of its own
+      with httpx.Client(timeout=600) as c:
+        if k == 0 and long:    # the long call, greedy
+          long_out["s"], long_out["tokens"] = post(c, max_tokens=args.long_tokens,
+                                                   temperature=0.0)
+          return []
+        return [post(c, seed=k * 1000 + j, **_options(rng))[0]
+                for j in range(args.calls_per_client)]
+    alone_ms = np.array(clients(lambda k: varied(k, long=False))) * 1e3   # no long call
+    t0 = time.perf_counter()
+    varied_ms = np.array(clients(varied)) * 1e3    # client 0: the long call
+    wall = time.perf_counter() - t0
+    recompiles = compiles() - warm if warm >= 0 else -1
+  finally:
+    proc.terminate()
+    proc.wait(timeout=30)
+  load = os.getloadavg()
+  rows = [("fixed options", fixed_ms), ("varied options, no long call", alone_ms),
+          ("varied options + the long call", varied_ms)]
+  print(f"{'':32s} {'calls':>6s} {'p50 ms':>8s} {'p99 ms':>8s}")
+  for name, x in rows:
+    print(f"{name:32s} {len(x):6d} {np.percentile(x, 50):8.2f} {np.percentile(x, 99):8.2f}")
+  print(f"the long call: max_tokens={args.long_tokens}, {long_out['tokens']} tokens in "
+        f"{long_out['s']:.1f} s (the varied phase: {wall:.1f} s)")
+  counted = (f"{warm} in the warm-up, {recompiles} after it" if warm >= 0 else
+             "not counted by this engine (recompiles=-1)")
+  print(f"sampler compiles: {counted}; load average {load[0]:.2f} on {os.cpu_count()} CPUs")
+  summary = {"args": vars(args), "fixed_ms": {"p50": np.percentile(fixed_ms, 50),
+                                               "p99": np.percentile(fixed_ms, 99)},
+             "varied_ms": {"p50": np.percentile(varied_ms, 50),
+                           "p99": np.percentile(varied_ms, 99)},
+             "varied_no_long_ms": {"p50": np.percentile(alone_ms, 50),
+                                   "p99": np.percentile(alone_ms, 99)},
+             "long": {"max_tokens": args.long_tokens, "tokens": long_out["tokens"],
+                      "s": long_out["s"]},
+             "compiles_warmup": warm, "recompiles": recompiles, "load_avg": load[0]}
+  write_result(args.out, info, summary)
+  print(f"RESULT p50_fixed_ms={np.percentile(fixed_ms, 50):.2f} "
+        f"p50_varied_ms={np.percentile(varied_ms, 50):.2f} "
+        f"p99_varied_ms={np.percentile(varied_ms, 99):.2f} recompiles={recompiles}")
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", required=True, help="the JSON summary")
@@ -55,10 +174,20 @@ def main():
   p.add_argument("--synchronous", default="NORMAL", help="the store's SQLite synchronous mode")
   p.add_argument("--smoke", action="store_true",
                  help="5 paired calls, 2 clients x 2 calls (seconds, for CI)")
+  p.add_argument("--vary", action="store_true",
+                 help="clients that vary temperature / top_p / max_tokens, one long call")
+  p.add_argument("--clients", type=int, default=16, help="--vary: client threads")
+  p.add_argument("--long_tokens", type=int, default=4096, help="--vary: the long call's max_tokens")
+  p.add_argument("--serve_flag", action="append", default=[],
+                 help="--vary: a further launch/serve.py flag (repeatable), e.g. "
+                 "--serve_flag=--config.proxy.long_request_tokens=0")
   args = p.parse_args()
   info = run_info(smoke=args.smoke)
   if args.smoke:
     args.calls, args.concurrency, args.calls_per_client = 5, 2, 2
+    args.clients, args.long_tokens = 2, 256
+  if args.vary:
+    return vary(args, info)
 
   from posttrain_jax.engines.base import SamplingParams
   from posttrain_jax.engines.jax_sampler import JaxSampler, JaxSamplerConfig
@@ -76,18 +205,9 @@ def main():
   sp = SamplingParams(max_tokens=args.max_tokens, temperature=1.0,
                       stop_token_ids=(tok.eos_token_id,))
 
-  db = pathlib.Path(tempfile.mkdtemp()) / "traces.db"
   port = _free_port()
-  proc = subprocess.Popen(
-      [sys.executable, str(ROOT / "launch" / "serve.py"), f"--config.port={port}",
-       f"--config.store.path={db}", f"--config.store.synchronous={args.synchronous}",
-       "--config.max_prompt_tokens=256", "--config.proxy.workers=8",
-       *[f"--config.tiny.{k}={v}" for k, v in SMALL.items()]],
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  proc = _serve(port, args.synchronous)
   try:
-    line = proc.stdout.readline()
-    if not line.startswith("serving"):
-      raise SystemExit(f"the proxy did not start: {line}{proc.stdout.read()}")
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     body = {"model": "posttrain_jax", "messages": messages, "max_tokens": args.max_tokens,
             "temperature": 1.0}

@@ -85,7 +85,9 @@ def build_app(proxy: Proxy) -> FastAPI:
 
   @app.get("/health")
   async def health():
-    return {"status": "ok", "version": proxy.engine.version}
+    compiles = getattr(proxy.engine, "compiles", None)   # the embedded sampler's programs
+    return {"status": "ok", "version": proxy.engine.version,
+            **({} if compiles is None else {"engine_compiles": int(compiles)})}
 
   @app.get("/v1/models")
   async def models(request: Request):
@@ -97,7 +99,9 @@ def build_app(proxy: Proxy) -> FastAPI:
     tenant, session, _ = proxy.identity(request.headers)
     body = await _json_body(request, limit)
     req = proxy.parse(body, chat)
-    call_id, messages, prompt = proxy.prepare(req, tenant, session)
+    field = ("max_completion_tokens" if isinstance(body, dict)
+             and body.get("max_completion_tokens") is not None else "max_tokens")
+    call_id, messages, prompt = proxy.prepare(req, tenant, session, field)
     kind = "chat" if chat else "completion"
     proxy.begin(call_id, kind, tenant, session, body, messages, req, prompt)
     t0 = time.perf_counter()

@@ -8,6 +8,7 @@ in the same trace store as a "chat" call. A session may mix dialects: only the r
 with the call (and the call id's prefix) says which one it spoke. A dialect module provides:
 
     PREFIX                                     its call ids' prefix ("resp_", "msg_")
+    MAX_TOKENS_FIELD                           its name of max_tokens (a 400 names it)
     parse(proxy, body, tenant, headers)        -> (Request, session of the call it continues
                                                   or None); ApiError (4xx) naming the field
     response(proxy, call_id, body, req, prompt, choice, created) -> the response body
@@ -101,7 +102,8 @@ async def serve(proxy, request: HttpRequest, dialect, body: Any, tenant: str, se
   req, continued = dialect.parse(proxy, body, tenant, request.headers)
   if fresh and continued:
     session = continued
-  _, messages, prompt = proxy.prepare(req, tenant, session)
+  _, messages, prompt = proxy.prepare(req, tenant, session,
+                                     dialect.MAX_TOKENS_FIELD)
   call_id = f"{dialect.PREFIX}{uuid.uuid4().hex}"
   proxy.begin(call_id, "chat", tenant, session, body, messages, req, prompt)
   created = int(time.time())

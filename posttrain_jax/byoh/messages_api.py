@@ -40,6 +40,7 @@ from posttrain_jax.byoh import openai_api as api
 from posttrain_jax.engines.base import SamplingParams
 
 PREFIX = "msg_"
+MAX_TOKENS_FIELD = "max_tokens"
 
 # Accepted and ignored: they change nothing we do (caching, routing, attribution).
 _IGNORED = {"metadata", "service_tier", "cache_control", "inference_geo", "speed",

@@ -45,6 +45,7 @@ from posttrain_jax.byoh import openai_api as api
 from posttrain_jax.engines.base import SamplingParams
 
 PREFIX = "resp_"
+MAX_TOKENS_FIELD = "max_output_tokens"
 
 # Accepted and ignored (they change nothing we do), or accepted only at their no-op value.
 _IGNORED = {"metadata", "user", "truncation", "service_tier",

@@ -22,12 +22,14 @@ session key's, else the `X-Session-Id` header, else a new one per call (sent bac
 
 Each call: validate (openai_api.py: a 4xx naming the field, nothing recorded; a field the
 engine cannot honour -- `top_logprobs` past its `max_top_logprobs`, a `response_format` without
-`guided_decoding`, engines/base.py -- is a 400 too), build the prompt (prompts.py: earlier
-sampled ids spliced in), record the call (store.py), generate on a worker thread, parse tool
-calls with the chat format's parser (envs/tool_calls.py, so tool_choice="auto" works whatever
-the engine), answer, record the result. A client that leaves before the answer is complete
-leaves its call "incomplete"; an engine failure is a 503 and an "error" call. Both are kept and
-never trained on.
+`guided_decoding`, engines/base.py -- is a 400 too, and so is a prompt + max_tokens past the
+engine's `context_len`, naming max_tokens), build the prompt (prompts.py: earlier sampled ids
+spliced in), record the call (store.py), generate on a worker thread (a call asking for more
+than `long_request_tokens` waits for one of workers - 1 threads, so one is always left to
+shorter calls), parse tool calls with the chat format's parser (envs/tool_calls.py, so
+tool_choice="auto" works whatever the engine), answer, record the result. A client that leaves
+before the answer is complete leaves its call "incomplete"; an engine failure is a 503 and an
+"error" call. Both are kept and never trained on.
 
 Forced tool calls without constrained decoding (`Proxy.sample`). No engine here constrains
 decoding to a tool-call grammar, so `tool_choice` "required" / a named function is met by
@@ -121,6 +123,9 @@ class ProxyConfig:
   max_n: int = 16                       # the most choices per request
   max_prompt_tokens: int = 0            # longer prompts are a 400 (0 = the engine's own limit)
   workers: int = 4                      # threads running engine calls
+  long_request_tokens: int = 1024       # calls asking for more max_tokens run on at most
+                                        # workers - 1 threads: one stays free for shorter calls
+                                        # (0 = no lane; engines/turns.py shares the device)
   session_cache: int = 4096             # sessions whose history stays in memory
   tool_choice_retries: int = 2          # a forced tool_choice missed: draw again up to this many
                                         # times (new seeds), then answer 422 (module docstring)
@@ -141,6 +146,7 @@ class Proxy:
     limit = cfg.max_prompt_tokens or getattr(getattr(engine, "cfg", None), "max_prompt_len", 0)
     self.max_prompt_tokens = int(limit or 0)
     self._pool = concurrent.futures.ThreadPoolExecutor(cfg.workers, "proxy-engine")
+    self._long_lane = asyncio.Semaphore(max(cfg.workers - 1, 1))
     self._history: collections.OrderedDict = collections.OrderedDict()
     self.counts: collections.Counter = collections.Counter()
 
@@ -200,8 +206,10 @@ class Proxy:
                              max_tokens_limit=self.cfg.max_tokens_limit, max_n=self.cfg.max_n,
                              stop_token_ids=self.stop_ids, vocab_size=self.vocab_size)
 
-  def prepare(self, req: api.Request, tenant: str, session: str):
-    """The call's id, normalised messages and prompt; ApiError for what cannot be served."""
+  def prepare(self, req: api.Request, tenant: str, session: str,
+              max_tokens_field: str = "max_tokens"):
+    """The call's id, normalised messages and prompt; ApiError for what cannot be served
+    (`max_tokens_field`: the name the client's API gives max_tokens, for a 400 naming it)."""
     history = self.history(tenant, session)
     if req.messages is not None:
       try:
@@ -226,7 +234,23 @@ class Proxy:
       raise api.ApiError(400, f"the prompt has {len(prompt.ids)} tokens; this server accepts "
                          f"at most {self.max_prompt_tokens}", "messages" if messages else "prompt",
                          "context_length_exceeded")
+    self._check_context(len(prompt.ids), req.sampling.max_tokens, max_tokens_field,
+                        "messages" if messages else "prompt")
     return f"{prefix}-{uuid.uuid4().hex}", messages, prompt
+
+  def _check_context(self, prompt_tokens: int, max_tokens: int, max_tokens_field: str,
+                     prompt_field: str) -> None:
+    """A 400 when prompt + max_tokens exceeds the engine's model context (its `context_len`,
+    engines/base.py; unknown: the engine's own error names the field later), naming max_tokens
+    where a smaller one fits, else the prompt."""
+    room = int(capability(self.engine, "context_len") or 0)
+    if not room or prompt_tokens + max_tokens <= room:
+      return
+    fits = prompt_tokens < room
+    raise api.ApiError(400, f"the prompt has {prompt_tokens} tokens and {max_tokens_field}="
+                       f"{max_tokens}; together they exceed the model's context of {room} tokens"
+                       + (f": ask for at most {room - prompt_tokens}" if fits else ""),
+                       max_tokens_field if fits else prompt_field, "context_length_exceeded")
 
   def _check_capabilities(self, req: api.Request) -> None:
     """A 400 naming the field the engine (or the chat template) cannot honour."""
@@ -330,12 +354,36 @@ class Proxy:
     else:
       self.end(status="error", reason=getattr(e, "message", None) or str(e), **end)
 
+  async def _submit(self, req: api.Request, work) -> concurrent.futures.Future:
+    """`work` on an engine thread; a call asking for more than `long_request_tokens` first
+    waits for a place in the long lane (workers - 1 threads), so long calls never hold every
+    thread. The place is freed when the work ends, not when its caller stops waiting."""
+    long = 0 < self.cfg.long_request_tokens < req.sampling.max_tokens
+    if not long:
+      return self._pool.submit(work)
+    self.counts["long_calls"] += 1
+    lane, loop = self._long_lane, asyncio.get_running_loop()
+    await lane.acquire()
+    try:
+      job = self._pool.submit(work)
+    except BaseException:
+      lane.release()
+      raise
+
+    def free(_) -> None:
+      try:
+        loop.call_soon_threadsafe(lane.release)
+      except RuntimeError:  # the loop is gone (the server stopped)
+        pass
+    job.add_done_callback(free)
+    return job
+
   async def generate(self, req: api.Request, prompt: Prompt):
-    loop = asyncio.get_running_loop()
     for attempt in range(3):  # "abort": cut by a weight swap mid-decode; served again
       try:
-        out = await loop.run_in_executor(
-            self._pool, lambda: self.engine.generate([prompt.ids], req.sampling, req.n, req.seed))
+        job = await self._submit(
+            req, lambda: self.engine.generate([prompt.ids], req.sampling, req.n, req.seed))
+        out = await asyncio.wrap_future(job)
       except api.ApiError:
         raise
       except Exception as e:  # noqa: BLE001 -- what it is for the client: _engine_failure
@@ -382,7 +430,7 @@ class Proxy:
       except BaseException as e:  # noqa: BLE001 -- handed to the event loop below
         post(error=e)
 
-    job = self._pool.submit(work)
+    job = await self._submit(req, work)
     job.add_done_callback(lambda f: f.cancelled() and post(
         error=EngineError("the server stopped before this call was served")))
     last = None
@@ -568,9 +616,10 @@ class Proxy:
 
 def _engine_failure(e: BaseException) -> Exception:
   """A failed engine call as the client sees it: a prompt the engine can never serve is a 400
-  naming the messages; anything else is our failure (EngineError: a 503)."""
+  naming the messages (or max_tokens, when the model's context cannot hold both); anything
+  else is our failure (EngineError: a 503)."""
   if isinstance(e, PromptTooLongError):
-    return api.ApiError(400, str(e), "messages", "context_length_exceeded")
+    return api.ApiError(400, str(e), getattr(e, "param", "messages"), "context_length_exceeded")
   return EngineError(f"{type(e).__name__}: {e}")
 
 

@@ -15,12 +15,14 @@ class EngineError(RuntimeError):
 
 
 class PromptTooLongError(ValueError):
-  """Prompt `index` of a request can never be served (longer than the engine accepts): not an
-  infra error and not worth a retry; the rollout source drops the task, counted as "invalid"."""
+  """Prompt `index` of a request can never be served (longer than the engine accepts, or too
+  long for the model's context with the max_tokens asked): not an infra error and not worth a
+  retry; the rollout source drops the task, counted as "invalid". `param`: the request field
+  to change ("messages": the prompt; "max_tokens"), which the proxy's 400 names."""
 
-  def __init__(self, index: int, message: str):
+  def __init__(self, index: int, message: str, param: str = "messages"):
     super().__init__(message)
-    self.index = index
+    self.index, self.param = index, param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +77,11 @@ class Engine(Protocol):
   #   max_top_logprobs: int    the most alternatives per sampled token it returns
   #                            (SamplingParams.top_logprobs)
   #   guided_decoding: bool    it constrains decoding to SamplingParams.response_format
+  #   context_len: int         the most prompt + max_tokens it serves (the model's context;
+  #                            an instance attribute); 0 = unknown
 
 
-CAPABILITIES = {"max_top_logprobs": 0, "guided_decoding": False}
+CAPABILITIES = {"max_top_logprobs": 0, "guided_decoding": False, "context_len": 0}
 
 
 def capability(engine: Any, name: str):

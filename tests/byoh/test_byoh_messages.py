@@ -146,7 +146,7 @@ def test_a_prompt_the_engine_refuses_is_an_error_in_each_dialect_streamed_or_not
   a stream has begun, the dialect's error events; each call is recorded as an error."""
   cfg = ProxyConfig(max_prompt_tokens=100_000)
   with bt.running(sampler, tmp_path / "t.db", cfg) as (url, proxy):
-    long = "1 + " * 400
+    long = "1 + " * 150     # ~458 ids: past the engine's max_prompt_len, within the context
     h = {"X-Session-Id": "long", **VERSION}
     msg = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": long}]}
     resp = {"model": MODEL, "max_output_tokens": 4, "input": long}

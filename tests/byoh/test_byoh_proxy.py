@@ -242,10 +242,11 @@ def test_streamed_logprobs_are_the_whole_answers_token_for_token(tmp_path, sampl
 
 def test_a_prompt_the_engine_cannot_take_is_a_400_streamed_or_not(tmp_path, sampler):
   """The engine's own prompt limit (here under the proxy's) is the client's error, named, in
-  both paths: a 400 body, or the stream's error event; the call is recorded as an error."""
+  both paths: a 400 body, or the stream's error event; the call is recorded as an error. (A
+  prompt past the model's context, 1024, is the proxy's 400 before recording: test_byoh_limits.)"""
   with bt.running(sampler, tmp_path / "t.db", ProxyConfig(max_prompt_tokens=100_000)) as (
       url, proxy):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "1 + " * 400}],
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "1 + " * 150}],  # 458 ids
             "max_tokens": 4}
     r = httpx.post(url + "/v1/chat/completions", json=body, headers={"X-Session-Id": "long"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
@@ -382,8 +383,8 @@ def test_kill_9_mid_stream_keeps_every_completed_call_and_marks_the_cut_one(tmp_
     first = [{"role": "user", "content": "Compute 1+2."}]
     done = client.chat.completions.create(model=MODEL, messages=first, max_tokens=6)
     stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Write a lot."}], max_tokens=2000,
-        stream=True)
+        model=MODEL, messages=[{"role": "user", "content": "Write a lot."}], max_tokens=1000,
+        stream=True)                  # 18 prompt tokens + 1000: within the model's 1024
     next(iter(stream))                # the role chunk: the call is recorded and decoding
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)

@@ -1,0 +1,99 @@
+"""One decode step's draw with every sampling value traced: one compiled program serves them all.
+
+Row b of a batch, with logits z, temperature tau, top-k k and nucleus mass p (arrays of shape
+[B], so rows may differ):
+
+    tau = 0 (greedy):  y = argmax z                              logp = log softmax(z)
+    tau > 0:           s = z / tau                               logp = log softmax(s)
+                       K = {v : s_v >= s_(k)}      s_(k) the k-th largest (k = 0: every v)
+                       N = {v in K : mass of K's tokens more likely than v < p}  (p = 1: K)
+                       y ~ softmax(s restricted to N)            (Gumbel-max: jax.random.categorical)
+
+and the log-prob returned for y is logp[y]: the temperature-scaled distribution *before* top-k /
+top-p truncation, what the learner computes at the same temperature. `top_logprobs` = the k_top
+largest entries of logp (ids, values); k_top is the one static number (it is a shape).
+
+Compared with compiling tau, k, p in (a program per value): the ops are the same on the same
+values, so the same tokens are drawn, and the log-probs agree to float32 rounding (XLA fuses the
+two graphs differently: at most 2.4e-7 apart, measured; tests/engines/test_jax_sampler_compiles.py
+keeps the static version as the reference). What makes one program serve every value:
+  * greedy rows are picked with `jnp.where` after the draw; the batch's one key draws every
+    row's Gumbel noise whatever the rows ask, so rows never change each other's draws (an
+    all-greedy batch skips the draw under `lax.cond`; its key is split all the same);
+  * the k-th largest value is read at a traced index (k - 1) of the row's values sorted, or,
+    when no row asks for top-p and every k <= 64, of `lax.top_k(s, 64)` (k static there); ties
+    with it are kept, as before;
+  * truncation runs under `lax.switch`, only when some row truncates: plain sampling (k = 0,
+    p = 1) pays nothing for it, top-k alone no sort; top-p sorts the vocabulary, as before.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def top_entries(logp_bv: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """The k largest log-probs of each row and their ids: (ids_bk int32, logps_bk); k = 0: empty."""
+  if k == 0:
+    b = logp_bv.shape[0]
+    return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
+  vals, ids = jax.lax.top_k(logp_bv, k)
+  return ids.astype(jnp.int32), vals
+
+
+_CANDIDATES = 64   # top-k alone, every k at most this: `lax.top_k` of this many, no sort
+
+
+def _top_k_only(s_bv: jax.Array, top_p_b: jax.Array, top_k_b: jax.Array) -> jax.Array:
+  """`_truncate` when no row asks for top-p and every top_k <= _CANDIDATES."""
+  del top_p_b
+  vals_bc = jax.lax.top_k(s_bv, min(_CANDIDATES, s_bv.shape[-1]))[0]
+  kth_b1 = jnp.take_along_axis(vals_bc, jnp.clip(top_k_b - 1, 0, vals_bc.shape[-1] - 1)[:, None],
+                               -1)
+  return jnp.where((top_k_b > 0)[:, None] & (s_bv < kth_b1), -jnp.inf, s_bv)
+
+
+def _truncate(s_bv: jax.Array, top_p_b: jax.Array, top_k_b: jax.Array) -> jax.Array:
+  """s with the tokens outside each row's top-k, then outside its nucleus, set to -inf."""
+  v = s_bv.shape[-1]
+  desc_bv = jnp.sort(s_bv, axis=-1)[:, ::-1]
+  kth_b1 = jnp.take_along_axis(desc_bv, jnp.clip(top_k_b - 1, 0, v - 1)[:, None], -1)
+  by_k_b1 = (top_k_b > 0)[:, None]
+  masked_bv = jnp.where(by_k_b1 & (s_bv < kth_b1), -jnp.inf, s_bv)
+  # the sorted `masked_bv`: masking below the k-th value keeps the order of what stays
+  sorted_bv = jnp.where(by_k_b1 & (desc_bv < kth_b1), -jnp.inf, desc_bv)
+  probs_bv = jax.nn.softmax(sorted_bv, axis=-1)
+  cum_before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv
+  cutoff_b1 = jnp.min(jnp.where(cum_before_bv < top_p_b[:, None], sorted_bv, jnp.inf), axis=-1,
+                      keepdims=True)
+  return jnp.where((top_p_b < 1.0)[:, None] & (masked_bv < cutoff_b1), -jnp.inf, masked_bv)
+
+
+def sample(logits_bv: jax.Array, rng: jax.Array, temperature_b: jax.Array, top_p_b: jax.Array,
+           top_k_b: jax.Array, k_top: int):
+  """(ids_b, logps_b, top_ids_bk, top_logps_bk) of one step (module docstring)."""
+  logits_bv = logits_bv.astype(jnp.float32)
+  greedy_b = temperature_b <= 0
+  tau_b1 = jnp.where(greedy_b, 1.0, temperature_b).astype(jnp.float32)[:, None]
+  s_bv = logits_bv / tau_b1            # greedy rows: z / 1 = z exactly
+  logp_bv = jax.nn.log_softmax(s_bv)
+  sampled_b = ~greedy_b
+  top_p_b = jnp.where(sampled_b, top_p_b, 1.0)    # greedy rows truncate nothing
+  top_k_b = jnp.where(sampled_b, top_k_b, 0)
+  kind = jnp.where(jnp.all((top_k_b == 0) & (top_p_b >= 1.0)), 0,
+                   jnp.where(jnp.all(top_p_b >= 1.0) & jnp.all(top_k_b <= _CANDIDATES), 1, 2))
+  masked_bv = jax.lax.switch(kind, (lambda s, p, k: s, _top_k_only, _truncate), s_bv, top_p_b,
+                             top_k_b)
+  drawn_b = jax.lax.cond(jnp.any(sampled_b),
+                         lambda m, key: jax.random.categorical(key, m, axis=-1).astype(jnp.int32),
+                         lambda m, key: jnp.zeros(m.shape[:1], jnp.int32), masked_bv, rng)
+  ids_b = jnp.where(greedy_b, jnp.argmax(logits_bv, axis=-1), drawn_b)
+  logps_b = jnp.take_along_axis(logp_bv, ids_b[:, None], -1)[:, 0]
+  return (ids_b, logps_b, *top_entries(logp_bv, k_top))
+
+
+def length_bucket(max_tokens: int, smallest: int = 16) -> int:
+  """The decode buffer length compiled for `max_tokens`: the next power of two (at least
+  `smallest`), so every max_tokens up to it reuses one program; the loop still stops at
+  max_tokens."""
+  return max(smallest, 1 << max(int(max_tokens) - 1, 0).bit_length())
