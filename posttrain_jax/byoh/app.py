@@ -1,7 +1,8 @@
 """The FastAPI routes of the proxy (server.py has the serving logic) and `serve()`.
 
 Every error a client can cause is a 4xx with an OpenAI-style body (Anthropic's on /v1/messages);
-an unknown route is a 404 in the same shape; only our own failures (the engine) are 5xx. A
+an unknown route is a 404 in the same shape; a call while the learner is behind (online) is a
+429 with `Retry-After`, or waits (backpressure.py); only our own failures (the engine) are 5xx. A
 forced `tool_choice` the model did not meet in any of the samples drawn (server.Proxy.sample) is
 a 422 naming the field (code "tool_choice_unsatisfied"; not a 5xx, so clients do not retry on
 their own what the proxy already retried), and unlike a 4xx the client caused, its samples are
@@ -39,8 +40,8 @@ from posttrain_jax.errors import DiskWriteError
 def _error(e: api.ApiError, request: Optional[Request] = None) -> JSONResponse:
   """`e` in the shape of the API the request spoke (Anthropic's on /v1/messages)."""
   if request is not None and request.url.path == "/v1/messages":
-    return JSONResponse(messages_api.error_body(e), status_code=e.status)
-  return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(messages_api.error_body(e), status_code=e.status, headers=e.headers)
+  return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 async def _json_body(request: Request, limit: int) -> Any:
@@ -87,6 +88,7 @@ def build_app(proxy: Proxy) -> FastAPI:
   async def health():
     compiles = getattr(proxy.engine, "compiles", None)   # the embedded sampler's programs
     return {"status": "ok", "version": proxy.engine.version,
+            "backpressure": proxy.gate.counters(),
             **({} if compiles is None else {"engine_compiles": int(compiles)})}
 
   @app.get("/v1/models")
@@ -99,6 +101,7 @@ def build_app(proxy: Proxy) -> FastAPI:
     tenant, session, _ = proxy.identity(request.headers)
     body = await _json_body(request, limit)
     req = proxy.parse(body, chat)
+    await proxy.gate.admit(tenant, session)   # the learner behind: a 429 or a wait
     field = ("max_completion_tokens" if isinstance(body, dict)
              and body.get("max_completion_tokens") is not None else "max_tokens")
     call_id, messages, prompt = proxy.prepare(req, tenant, session, field)

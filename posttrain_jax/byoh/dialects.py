@@ -102,6 +102,7 @@ async def serve(proxy, request: HttpRequest, dialect, body: Any, tenant: str, se
   req, continued = dialect.parse(proxy, body, tenant, request.headers)
   if fresh and continued:
     session = continued
+  await proxy.gate.admit(tenant, session)   # the learner behind: a 429 or a wait
   _, messages, prompt = proxy.prepare(req, tenant, session,
                                      dialect.MAX_TOKENS_FIELD)
   call_id = f"{dialect.PREFIX}{uuid.uuid4().hex}"

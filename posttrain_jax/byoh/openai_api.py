@@ -30,6 +30,7 @@ class ApiError(Exception):
                code: Optional[str] = None, kind: str = "invalid_request_error"):
     super().__init__(message)
     self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+    self.headers: Optional[dict[str, str]] = None   # sent with the error (429: Retry-After)
 
   def body(self) -> dict[str, Any]:
     return {"error": {"message": self.message, "type": self.kind, "param": self.param,

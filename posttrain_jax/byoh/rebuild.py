@@ -94,7 +94,10 @@ def rebuild_session(session: str, calls: Sequence[CallRecord],
         status=Status.TRUNCATED if choice.finish_reason == "length" else Status.OK,
         # one episode: advantages count a session once (advantages.py, sample_index 0)
         metrics={"calls": len(path), "tenant": call.tenant, "sample_index": len(out),
-                 "samples": 0, "episode_id": f"{call.tenant}/{session}"})
+                 "samples": 0, "episode_id": f"{call.tenant}/{session}",
+                 # [start, end) of each call's sampled tokens on the path, first call first
+                 "spans": [[len(nodes[n][0].prompt_ids), len(streams[n])]
+                           for n in reversed(path)]})
     out.append(traj)
     stats["sampled_tokens"] += sum(mask)
   for t in out:

@@ -63,6 +63,7 @@ import uuid
 from typing import Any, Optional
 
 from posttrain_jax.byoh import openai_api as api
+from posttrain_jax.byoh.backpressure import MODES as BACKPRESSURE, Gate
 from posttrain_jax.byoh.prompts import MessageError, Prompt, PromptBuilder, Turn, normalize_messages
 from posttrain_jax.byoh.rebuild import rebuild_session
 from posttrain_jax.byoh.store import Choice, Feedback, TraceStore
@@ -131,6 +132,21 @@ class ProxyConfig:
                                         # times (new seeds), then answer 422 (module docstring)
   tool_choice_prefill: bool = True      # a forced tool_choice: start the assistant turn with the
                                         # format's call opening (prompt tokens; module docstring)
+  backpressure: str = "reject"          # the learner behind (backpressure.py): "reject" = 429
+                                        # + Retry-After at once; "queue" = wait, then 429
+  max_pending_sessions: int = 0         # sessions served and not yet trained past which new ones
+                                        # wait or are refused; 0 = no bound; -1 (online) =
+                                        # (rl.traces.max_staleness + 1) * prompts_per_step
+  queue_timeout_s: float = 30.0         # "queue": the longest a call waits before its 429
+  retry_after_s: float = 1.0            # Retry-After before the learner has timed a step
+
+  def __post_init__(self):
+    if self.backpressure not in BACKPRESSURE:
+      raise ValueError(f"ProxyConfig.backpressure is {self.backpressure!r}; valid: "
+                       f"{BACKPRESSURE}")
+    if self.max_pending_sessions < -1:
+      raise ValueError(f"ProxyConfig.max_pending_sessions must be >= -1, got "
+                       f"{self.max_pending_sessions}")
 
 
 class Proxy:
@@ -149,6 +165,8 @@ class Proxy:
     self._long_lane = asyncio.Semaphore(max(cfg.workers - 1, 1))
     self._history: collections.OrderedDict = collections.OrderedDict()
     self.counts: collections.Counter = collections.Counter()
+    self.gate = Gate(cfg.backpressure, max(cfg.max_pending_sessions, 0), cfg.queue_timeout_s,
+                     cfg.retry_after_s)   # set by the learner online (backpressure.py)
 
   def close(self) -> None:
     self._pool.shutdown(wait=False, cancel_futures=True)

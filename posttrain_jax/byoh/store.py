@@ -412,6 +412,11 @@ class TraceStore:
           records.append(_parse_record(line))
         except StoreError as e:
           errors.append(f"{path}:{lineno}: {e}")
+    return self.insert_records(records, path), errors
+
+  def insert_records(self, records: list[tuple[str, dict]], what: str = "records") -> int:
+    """Stores validated ("call" | "feedback", record) pairs, all in one transaction (all or
+    nothing); records already present are skipped. Returns how many were stored."""
     stored = 0
     with self._lock:
       try:
@@ -425,11 +430,11 @@ class TraceStore:
             self._db.execute("ROLLBACK")
           raise
       except sqlite3.Error as e:
-        fault = _disk_fault(e, self.path, f"importing {path}")
+        fault = _disk_fault(e, self.path, f"importing {what}")
         if fault is not None:
           raise fault from e
         raise
-    return stored, errors
+    return stored
 
   def _insert_imported(self, kind: str, r: dict) -> int:
     if kind == "feedback":

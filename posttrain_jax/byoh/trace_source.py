@@ -101,6 +101,7 @@ class TraceRollouts(SourceBase):
       from posttrain_jax.byoh.triage import read_set
       self._only = read_set(cfg.sessions)
     self._metrics: dict[str, float] = {}
+    self._backlog = 0                  # ready sessions the last collect left untrained
     self._totals: collections.Counter = collections.Counter()
 
   def update_weights(self, params, version: int) -> None:
@@ -111,6 +112,8 @@ class TraceRollouts(SourceBase):
         import jax.numpy as jnp
         params = jax.tree.map(jnp.copy, params)
       self.engine.update_weights(params, version)
+    if self.server is not None:        # online: the proxy's backpressure (byoh/backpressure.py)
+      self.server.proxy.gate.report(version, self._backlog)
 
   def _counts(self, fb) -> bool:
     """Whether feedback row `fb` makes its session ready under `require`."""
@@ -170,9 +173,10 @@ class TraceRollouts(SourceBase):
     self._totals.update(counts)
     self._metrics = {f"traces/{k}": float(v) for k, v in counts.items()}
     seen = counts["sessions"] + counts["dropped_stale"]
+    self._backlog = max(len(ready) - seen, 0)
     self._metrics.update({
         "filter/stale_session_frac": counts["dropped_stale"] / seen if seen else 0.0,
-        "traces/backlog": float(max(len(ready) - seen, 0)),
+        "traces/backlog": float(self._backlog),
         "traces/total/sessions": float(self._totals["sessions"]),
         "traces/staleness/mean": float(np.mean(stale)) if stale else float("nan"),
         "traces/staleness/p50": float(np.median(stale)) if stale else float("nan"),
