@@ -35,3 +35,19 @@ def model_dir(model: str, smoke: bool) -> str:
     except ValueError as e:
       sys.exit(f"error: --model=smollm2: {e}")
   return str(resolve_model_path(model))
+
+
+def random_sft_batch(rows: int, seq_len: int, vocab: int, seed: int = 0):
+  """`rows` unpacked rows of `seq_len` random token ids in [3, vocab), every position after the
+  first a target: the learner benchmarks' step input (real_model.py, lora.py)."""
+  import numpy as np
+
+  from posttrain_jax import batching
+  from posttrain_jax.types import Trajectory
+  ids = np.random.default_rng(seed).integers(3, vocab, size=(rows, seq_len))
+  trajs = [Trajectory(id=str(i), task_id=str(i), token_ids=row.tolist(),
+                      loss_mask=[0] + [1] * (seq_len - 1),
+                      behaviour_logprobs=[0.0] * seq_len, policy_version=[0] * seq_len)
+           for i, row in enumerate(ids)]
+  return batching.build_batch(trajs, [0.0] * rows, batching.BatchConfig(
+      rows=rows, seq_len=seq_len, max_seqs=rows, pack=False, trim=False))

@@ -43,7 +43,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 from benchmarks._meta import run_info, write_result  # noqa: E402
-from benchmarks._workers import model_dir, run_worker  # noqa: E402
+from benchmarks._workers import model_dir, random_sft_batch, run_worker  # noqa: E402
 
 
 def _rss_mb() -> float:
@@ -59,19 +59,11 @@ def _lora_cfg(a):
 
 def _learner_step(a, lora: bool) -> dict:
   import jax
-  import numpy as np
 
-  from posttrain_jax import batching, learner as L
+  from posttrain_jax import learner as L
   from posttrain_jax.models import hf_io
-  from posttrain_jax.types import Trajectory
   model = hf_io.load_hf_model(a.model)
-  ids = np.random.default_rng(0).integers(3, model.cfg.vocab_size, size=(a.rows, a.seq_len))
-  trajs = [Trajectory(id=str(i), task_id=str(i), token_ids=row.tolist(),
-                      loss_mask=[0] + [1] * (a.seq_len - 1),
-                      behaviour_logprobs=[0.0] * a.seq_len, policy_version=[0] * a.seq_len)
-           for i, row in enumerate(ids)]
-  batch = batching.build_batch(trajs, [0.0] * a.rows, batching.BatchConfig(
-      rows=a.rows, seq_len=a.seq_len, max_seqs=a.rows, pack=False, trim=False))
+  batch = random_sft_batch(a.rows, a.seq_len, model.cfg.vocab_size)
   cfg = L.LearnerConfig(loss="sft", optimizer=L.OptimizerConfig(learning_rate=1e-5))
   if lora:
     cfg = L.LearnerConfig(loss="sft", optimizer=cfg.optimizer, lora=_lora_cfg(a))
