@@ -76,6 +76,15 @@ def text_field(body: dict, key: str) -> Optional[str]:
   return v
 
 
+def tool_list(tools: Any) -> list:
+  """A request's `tools`: [] when absent or null, else the list itself; ApiError otherwise."""
+  if tools is None:
+    return []
+  if not isinstance(tools, list):
+    raise api.ApiError(400, "tools must be a list", "tools")
+  return tools
+
+
 def chat_tool(name: Any, description: Any, parameters: Any, param: str) -> dict[str, Any]:
   """A function tool in the Chat Completions form (what the chat template renders)."""
   if not isinstance(name, str) or not name:

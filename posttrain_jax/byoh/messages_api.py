@@ -146,12 +146,8 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
 
 def chat_tools(tools: Any) -> Optional[list[dict[str, Any]]]:
   """Anthropic's tools in the Chat Completions form; None for none."""
-  if tools is None:
-    return None
-  if not isinstance(tools, list):
-    raise api.ApiError(400, "tools must be a list", "tools")
   out = []
-  for i, t in enumerate(tools):
+  for i, t in enumerate(dialects.tool_list(tools)):
     p = f"tools[{i}]"
     if not isinstance(t, dict) or t.get("type", "custom") != "custom":
       kind = t.get("type") if isinstance(t, dict) else type(t).__name__

@@ -118,12 +118,8 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
 
 def chat_tools(tools: Any) -> Optional[list[dict[str, Any]]]:
   """Responses' flat function tools in the Chat Completions form; None for none."""
-  if tools is None:
-    return None
-  if not isinstance(tools, list):
-    raise api.ApiError(400, "tools must be a list", "tools")
   out = []
-  for i, t in enumerate(tools):
+  for i, t in enumerate(dialects.tool_list(tools)):
     kind = t.get("type") if isinstance(t, dict) else type(t).__name__
     if kind != "function":
       raise api.ApiError(400, f"tool type {kind!r} is not supported (function tools only)",
