@@ -19,6 +19,10 @@ only (so are the optimizer state and the checkpoints); the base parameters are `
 argument of the step the gradient is not taken of, and the forward pass sees
 `lora.join(frozen, adapters)`. `Learner.params` is always the whole dict the graph takes; the
 reference is the base with adapters off (`adapters_off`), no second copy of the weights.
+
+Per tenant (`lora.tenants`, tenants.py): the TrainState stacks one adapter state per tenant;
+`select(i)` picks the tenant that `params`, `step`, `logprobs` and `model` act on (the rollout
+source picks it with the sessions it collects), and a step trains that tenant's row alone.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from posttrain_jax.losses import get_loss
 from posttrain_jax.losses.base import HeadInputs, LossSpec
 from posttrain_jax.models import lora
 from posttrain_jax.models.decoder import Decoder
+from posttrain_jax import tenants as tn
 from posttrain_jax.multihost import put_global
 from posttrain_jax.types import TrainBatch, TrainState
 
@@ -272,7 +277,8 @@ def abstract_train_state(model: Decoder, cfg: LearnerConfig,
                          mesh: Optional[Mesh] = None) -> TrainState:
   """The TrainState a `Learner(model, cfg, mesh=mesh)` would hold, as ShapeDtypeStructs with
   their shardings; `model` may be abstract (`hf_io.abstract_model`). Nothing is allocated: this
-  is the restore target of a checkpoint. With LoRA the params are the adapters alone."""
+  is the restore target of a checkpoint. With LoRA the params are the adapters alone; per
+  tenant, every leaf has the tenant axis in front (tenants.py)."""
   if cfg.lora.enabled:
     _, adapters, _ = lora.attach(model, cfg.lora)
     params = lora.abstract_adapters(adapters, mesh, model.rules)
@@ -283,9 +289,10 @@ def abstract_train_state(model: Decoder, cfg: LearnerConfig,
   opt_state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                            jax.eval_shape(tx.init, params), optimizer_shardings(tx, params, mesh))
   rng = jax.eval_shape(lambda: jax.random.key(cfg.seed))
-  return TrainState(params=params, opt_state=opt_state,
-                    step=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
-                    rng=jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=rep))
+  state = TrainState(params=params, opt_state=opt_state,
+                     step=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+                     rng=jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=rep))
+  return tn.stack_abstract(state, len(cfg.lora.tenants)) if cfg.lora.per_tenant else state
 
 
 class Learner:
@@ -320,11 +327,15 @@ class Learner:
       params = nnx.to_pure_dict(params)
     self.tx = make_optimizer(cfg.optimizer)
     self.schedule = learning_rate_schedule(cfg.optimizer)
+    self.tenants, self.tenant = tuple(cfg.lora.tenants), 0   # per tenant: the row acted on
     if state is None:
       opt_state = jax.jit(self.tx.init,
                           out_shardings=optimizer_shardings(self.tx, params, mesh))(params)
       state = TrainState(params=params, opt_state=opt_state,
                          step=jnp.zeros((), jnp.int32), rng=jax.random.key(cfg.seed))
+      if self.tenants:
+        state = put_global(tn.stack(state, len(self.tenants)),
+                           jax.tree.map(lambda x: tn.stacked_sharding(x.sharding), state))
     del params
     # Every leaf committed to an explicit sharding (scalars replicated), so the state the step
     # returns has the same signature as the one it took: one compilation, not two.
@@ -339,10 +350,19 @@ class Learner:
     self._hidden = jax.jit(functools.partial(hidden_states, self.graphdef))
 
   def _jit_step(self):
-    return jax.jit(
-        functools.partial(train_step, graphdef=self.graphdef, tx=self.tx, spec=self.spec,
-                          loss_cfg=self.loss_cfg, cfg=self.cfg),
-        donate_argnums=0, out_shardings=(self._state_sharding, None))
+    step = functools.partial(train_step, graphdef=self.graphdef, tx=self.tx, spec=self.spec,
+                             loss_cfg=self.loss_cfg, cfg=self.cfg)
+    if self.tenants:
+      step = tn.tenant_step(step)
+    return jax.jit(step, donate_argnums=0, out_shardings=(self._state_sharding, None))
+
+  def select(self, tenant: str) -> None:
+    """Per tenant: act on `tenant`'s adapters from now on (params, step, logprobs, model)."""
+    self.tenant = tn.tenant_index(self.tenants, tenant)
+
+  def _adapters(self):
+    """The adapters acted on: the TrainState's params (per tenant: the selected row)."""
+    return tn.take(self.state.params, self.tenant) if self.tenants else self.state.params
 
   def set_loss_config(self, loss_cfg) -> None:
     """Trains with `loss_cfg` (the same loss) from the next step on: e.g. the off-policy
@@ -358,7 +378,7 @@ class Learner:
   def params(self):
     """The whole parameter dict the graph takes (with LoRA: the base joined with the adapters,
     no copy)."""
-    return lora.join(self.frozen, self.state.params)
+    return lora.join(self.frozen, self._adapters())
 
   def adapters_off(self):
     """The parameters of the base model alone, for the reference policy and frozen teachers:
@@ -366,7 +386,7 @@ class Learner:
     current parameters (the learner donates its own buffers at every step)."""
     if self.frozen is None:
       return jax.tree.map(jnp.copy, self.state.params)
-    return lora.join(self.frozen, lora.disabled(self.state.params))
+    return lora.join(self.frozen, lora.disabled(self._adapters()))
 
   @property
   def row_multiple(self) -> int:
@@ -380,13 +400,19 @@ class Learner:
 
   @property
   def step_count(self) -> int:
-    return int(self.state.step)
+    """Updates applied (per tenant: to the selected tenant, its policy version)."""
+    return int(self.state.step[self.tenant] if self.tenants else self.state.step)
 
   def model(self) -> Decoder:
     """The current model (shares the learner's arrays; do not keep across steps). With LoRA it
     carries the adapters; hf_io.save_hf_model exports it merged, peft_io.save_peft_adapter its
     adapters."""
     return nnx.merge(self.graphdef, self.params)
+
+  def shared_model(self) -> Decoder:
+    """What `final_model/` holds: the current model; per tenant, the shared base (adapters off;
+    each tenant's adapters are exported on their own)."""
+    return nnx.merge(self.graphdef, self.adapters_off()) if self.tenants else self.model()
 
   def put_batch(self, batch: TrainBatch) -> TrainBatch:
     """Moves a host batch onto the mesh: rows split over the data axes.
@@ -433,7 +459,9 @@ class Learner:
 
   def step(self, batch: TrainBatch, teacher_w=None) -> dict[str, float]:
     """One update; `teacher_w`: a head loss's teacher head (an EMA teacher's), else None."""
-    self.state, metrics = self._step(self.state, self.put_batch(batch), teacher_w, self.frozen)
+    extra = (jnp.int32(self.tenant),) if self.tenants else ()
+    self.state, metrics = self._step(self.state, self.put_batch(batch), teacher_w, self.frozen,
+                                     *extra)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     metrics["lr"] = float(self.schedule(self.step_count - 1))
     return metrics

@@ -218,6 +218,14 @@ class RunConfig:
                        "the self-teacher (teacher.py) scores only samples with context and leaves "
                        "0 elsewhere, which this loss would train towards; use 'sampled_distill'")
     source = source_spec(self.rl.mode)
+    if self.rl.learner.lora.tenants and not source.tenants:
+      raise ValueError(f"rl.learner.lora.tenants={list(self.rl.learner.lora.tenants)}: "
+                       f"rl.mode={self.rl.mode!r} does not know whose a sample is; per-tenant "
+                       f"adapters train from recorded sessions (modes "
+                       f"{[n for n in source_names() if source_spec(n).tenants]})")
+    if self.sft.learner.lora.tenants:
+      raise ValueError("sft.learner.lora.tenants: the SFT warm-start trains one model; name "
+                       "tenants in rl.learner.lora.tenants")
     if source.check is not None:
       source.check(self)
     distills = self.distills()

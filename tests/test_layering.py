@@ -7,7 +7,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Rank of each top-level part; a module may import parts of its own rank or lower only.
 RANKS = {
     "registry": 0, "types": 0, "config_io": 0, "errors": 0,
-    "kernels": 1, "sharding": 1, "multihost": 1,
+    "kernels": 1, "sharding": 1, "multihost": 1, "tenants": 1,
     "losses": 2, "envs": 2, "tasks": 2, "graders": 2, "sandbox": 2, "advantages": 2, "batching": 2, "overlap": 2, "metrics": 2, "checkpoint": 2,
     "step_metrics": 2,
     "audit": 2,

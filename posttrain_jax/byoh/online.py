@@ -7,12 +7,16 @@ its (params, version) pair once per call under a lock, so a call in flight finis
 weights it started with and reports their version, and the next call gets the new ones; an
 engine that cuts calls on a swap (finish "abort") has them served again by the proxy. Every
 recorded call carries the policy version that sampled each choice.
+
+Per tenant (`rl.learner.lora.tenants`): `engines` maps each tenant to an engine view serving its
+own adapter (byoh/tenant_source.py); the proxy routes every call to its caller's view.
 """
 from __future__ import annotations
 
 import dataclasses
 import threading
 import time
+from typing import Optional
 
 from posttrain_jax.byoh.server import Proxy, ProxyConfig, detect_tool_format
 from posttrain_jax.byoh.store import StoreConfig, TraceStore
@@ -30,12 +34,13 @@ class OnlineConfig:
 class OnlineServer:
   """uvicorn + the proxy in a daemon thread; `close()` stops it."""
 
-  def __init__(self, cfg: OnlineConfig, engine, tokenizer, stop_token_ids, store: StoreConfig):
+  def __init__(self, cfg: OnlineConfig, engine, tokenizer, stop_token_ids, store: StoreConfig,
+               engines: Optional[dict] = None):
     import uvicorn
     from posttrain_jax.byoh.app import build_app
     self.store = TraceStore(store)
     self.proxy = Proxy(cfg.proxy, engine, tokenizer, self.store, tuple(stop_token_ids),
-                       detect_tool_format(tokenizer))
+                       detect_tool_format(tokenizer), engines=engines)
     self.url = f"http://{cfg.host}:{cfg.port}/v1"
     # the stdlib event loop in the proxy's thread (no uvloop in the training process); uvicorn
     # leaves the signals alone outside the main thread, so the trainer keeps owning them

@@ -133,6 +133,8 @@ class Prompt:
   break_reason: Optional[str] = None         # why it continues nothing (None: first call)
   prefill: str = ""               # the start of the assistant turn the proxy wrote (the end of
                                   # `text`; prompt tokens): the sampled text continues it
+  tenant: str = ""                # whose call it is: the engine view that serves it
+                                  # (Proxy.engine_for; per-tenant adapters)
 
 
 @dataclasses.dataclass

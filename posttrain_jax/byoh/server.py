@@ -153,8 +153,10 @@ class Proxy:
   """The serving state: engine, tokenizer, store, and each session's recent calls."""
 
   def __init__(self, cfg: ProxyConfig, engine, tokenizer, store: TraceStore,
-               stop_token_ids: tuple[int, ...], tool_format: Optional[str]):
+               stop_token_ids: tuple[int, ...], tool_format: Optional[str],
+               engines: Optional[dict] = None):
     self.cfg, self.engine, self.store, self.tool_format = cfg, engine, store, tool_format
+    self.engines = dict(engines or {})   # tenant -> the engine serving its own adapter
     self.stop_ids = tuple(int(t) for t in stop_token_ids)
     self.builder = PromptBuilder(tokenizer, self.stop_ids)
     self.vocab_size = len(tokenizer)   # prompt token ids must be below it
@@ -170,6 +172,16 @@ class Proxy:
 
   def close(self) -> None:
     self._pool.shutdown(wait=False, cancel_futures=True)
+
+  def engine_for(self, tenant: str):
+    """The engine a tenant's calls sample from: its own (per-tenant adapters, `engines`), else
+    the proxy's. With `engines`, a tenant that has none is refused, never served another's."""
+    if not self.engines:
+      return self.engine
+    if tenant not in self.engines:
+      raise api.ApiError(403, f"tenant {tenant!r} has no adapter on this server", None,
+                         "no_adapter", "permission_error")
+    return self.engines[tenant]
 
   # -- who is calling -------------------------------------------------------------------------
 
@@ -254,7 +266,8 @@ class Proxy:
                          "context_length_exceeded")
     self._check_context(len(prompt.ids), req.sampling.max_tokens, max_tokens_field,
                         "messages" if messages else "prompt")
-    return f"{prefix}-{uuid.uuid4().hex}", messages, prompt
+    self.engine_for(tenant)   # a tenant without an adapter: a 403 before anything is recorded
+    return f"{prefix}-{uuid.uuid4().hex}", messages, dataclasses.replace(prompt, tenant=tenant)
 
   def _check_context(self, prompt_tokens: int, max_tokens: int, max_tokens_field: str,
                      prompt_field: str) -> None:
@@ -400,7 +413,8 @@ class Proxy:
     for attempt in range(3):  # "abort": cut by a weight swap mid-decode; served again
       try:
         job = await self._submit(
-            req, lambda: self.engine.generate([prompt.ids], req.sampling, req.n, req.seed))
+            req, lambda: self.engine_for(prompt.tenant).generate([prompt.ids], req.sampling,
+                                                                  req.n, req.seed))
         out = await asyncio.wrap_future(job)
       except api.ApiError:
         raise
@@ -441,8 +455,8 @@ class Proxy:
       if cancel.is_set():   # the client left while this call waited for a worker
         return post(end=True)
       try:
-        for part in self.engine.stream(prompt.ids, req.sampling, req.n, req.seed,
-                                       cancelled=cancel):
+        for part in self.engine_for(prompt.tenant).stream(prompt.ids, req.sampling, req.n,
+                                                          req.seed, cancelled=cancel):
           post(part=part)
         post(end=True)
       except BaseException as e:  # noqa: BLE001 -- handed to the event loop below

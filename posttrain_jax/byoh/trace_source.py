@@ -146,6 +146,10 @@ class TraceRollouts(SourceBase):
     while len(ready) < self.per_step and self._clock() < deadline:
       self._sleep(self.cfg.poll_s)
       ready = self._ready()
+    return self._take(ready)
+
+  def _take(self, ready: list[tuple[float, str, str]]) -> tuple[list[Task], list[Trajectory]]:
+    """Rebuilds up to `per_step` of the `ready` sessions (oldest first) into trajectories."""
     tasks, trajs, counts = [], [], collections.Counter()
     used = 0
     for _, tenant, session in ready:

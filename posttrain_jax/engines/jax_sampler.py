@@ -51,6 +51,7 @@ per process (vLLM), and the trainer refuses the embedded one there.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import math
@@ -214,6 +215,15 @@ class JaxSampler:
     weights = as_params(weights)
     with self._lock:  # a generate() already running keeps the pair it read
       self._params, self._version = weights, version
+
+  def fork(self) -> "JaxSampler":
+    """Another engine on this one's compiled programs and device share (`compiles` and the
+    turns are common), with a weights slot of its own, starting with this one's (params,
+    version): one tenant's adapters on the shared base (byoh/tenant_source.py)."""
+    twin = copy.copy(self)
+    twin._params, twin._version = self._snapshot()
+    twin._lock = threading.Lock()
+    return twin
 
   def _check(self, prompts: Sequence[Sequence[int]], seed: Optional[int],
              sampling: SamplingParams) -> int:

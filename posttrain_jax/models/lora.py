@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from posttrain_jax import sharding as shd
 from posttrain_jax.models.decoder import Decoder, Linear
+from posttrain_jax.tenants import check_tenants
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _BASE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -47,6 +48,9 @@ class LoRAConfig:
   target_modules: tuple[str, ...] = TARGETS  # fnmatch patterns on a projection's name ("q_proj")
                                   # or path ("layers.0.mlp.up_proj"); HF names, attention + MLP
   base_dtype: str = "float32"     # storage dtype of the frozen base: float32 | bfloat16
+  tenants: tuple[str, ...] = ()   # one adapter per tenant named (posttrain_jax/tenants.py):
+                                  # each trains on its own sessions only and serves its own
+                                  # calls (rl.mode traces / online); () = one adapter
 
   def __post_init__(self):
     if self.rank < 0:
@@ -58,12 +62,22 @@ class LoRAConfig:
     if self.base_dtype not in _BASE_DTYPES:
       raise ValueError(f"LoRAConfig.base_dtype is {self.base_dtype!r}; valid: "
                        f"{sorted(_BASE_DTYPES)}")
+    if self.tenants and not self.rank:
+      raise ValueError(f"LoRAConfig.tenants={list(self.tenants)} needs adapters: set rank > 0")
+    why = check_tenants(tuple(self.tenants))
+    if why:
+      raise ValueError(why)
     if self.rank and not self.target_modules:
       raise ValueError("LoRAConfig.target_modules is empty: no projection would get an adapter")
 
   @property
   def enabled(self) -> bool:
     return self.rank > 0
+
+  @property
+  def per_tenant(self) -> bool:
+    """One adapter per tenant (`tenants` named)."""
+    return bool(self.tenants)
 
   @property
   def scale(self) -> float:

@@ -23,7 +23,8 @@ shapes. The SFT -> RL boundary is atomic: `sft_model/` is exported before the st
 checkpoint is written, and re-exported from that checkpoint if it is missing. At the end the
 model goes to `final_model/` (LoRA merged into it) and, with LoRA, its adapters alone to
 `final_adapter/` (PEFT's format; base_model_name_or_path: the RL start, `sft_model/` or the
-model).
+model); per tenant (`lora.tenants`), `final_model/` is the shared base and each tenant's
+adapters go to `final_adapter/<tenant>/`.
 
 Preemption (`preempt`, a threading.Event: launch/train.py sets it on SIGTERM / SIGINT): the run
 stops at the next step boundary, closes the rollout source (async: in-flight episodes finish
@@ -273,12 +274,15 @@ class Trainer:
     else:
       self.final_eval = self._timed_eval(engine, learner, self.end_step - sft_steps)
       writer.write(self.end_step, dict(self.final_eval))
-    final = learner.model()
-    hf_io.save_hf_model(final, self.workdir / "final_model", tokenizer_dir=parts.model_dir)
-    if cfg.learner.lora.enabled:   # the adapters alone, in PEFT's format, on top of `base`
-      lora = cfg.learner.lora
-      peft_io.save_peft_adapter(final, self.workdir / "final_adapter", alpha=lora.alpha,
-                                dropout=lora.dropout,
+    hf_io.save_hf_model(learner.shared_model(), self.workdir / "final_model",
+                        tokenizer_dir=parts.model_dir)
+    lora = cfg.learner.lora
+    for tenant in (learner.tenants or ("",)) if lora.enabled else ():
+      if tenant:   # per tenant: final_adapter/<tenant>/
+        learner.select(tenant)
+      # the adapters alone, in PEFT's format, on top of `base`
+      peft_io.save_peft_adapter(learner.model(), self.workdir / "final_adapter" / tenant,
+                                alpha=lora.alpha, dropout=lora.dropout,
                                 base_model_name_or_path=str(base.resolve()))
     return self.end_step
 

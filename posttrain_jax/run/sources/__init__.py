@@ -17,6 +17,8 @@ config checks need, so that nothing outside the entry asks which source it is:
     multi_process   runs in a job of several processes, each on its share of the prompts
     lockstep        every process collects in step, so an engine that is one program of the
                     whole job (the embedded sampler) can serve it
+    tenants         trains one adapter per tenant (rl.learner.lora.tenants) from sessions
+                    that say whose they are
     check(cfg)      raises ValueError for a RunConfig it cannot run (named fields)
     draws_per_step(rl, prompts)   tasks it draws from the task bank a step (the data budget)
 
@@ -58,6 +60,7 @@ class SourceSpec:
   oversamples: bool = False
   multi_process: bool = True
   lockstep: bool = True
+  tenants: bool = False
   check: Optional[Callable[[Any], None]] = None
   draws_per_step: Callable[[Any, int], int] = lambda rl, prompts: prompts
 

@@ -4,6 +4,7 @@ global mean only: a session never comes back), corrected off-policy against the 
 behaviour log-probs. One process reads the store."""
 from __future__ import annotations
 
+from posttrain_jax.byoh.tenant_source import TenantTraceRollouts
 from posttrain_jax.byoh.trace_source import TraceRollouts
 from posttrain_jax.run.sources import SourceContext, register_source
 
@@ -33,8 +34,10 @@ def log_correction(ctx: SourceContext) -> None:
           f"correction {correction!r} against the recorded behaviour log-probs")
 
 
-@register_source("traces", groups=False, off_policy=True, multi_process=False,
+@register_source("traces", groups=False, off_policy=True, multi_process=False, tenants=True,
                  check=check_traces, draws_per_step=lambda rl, prompts: 0)
 def build_traces(ctx: SourceContext) -> TraceRollouts:
   log_correction(ctx)
+  if ctx.cfg.rl.learner.lora.tenants:
+    return TenantTraceRollouts(ctx.cfg.rl.traces, ctx.prompts_per_step, ctx.learner)
   return TraceRollouts(ctx.cfg.rl.traces, ctx.prompts_per_step, engine=ctx.engine)
