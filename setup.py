@@ -76,6 +76,9 @@ setup(
                  # proxy routes outside the OpenAI API (openai 3.x ships its own fork)
                  "openai>=1.40", "httpx",
                  "anthropic",  # the official client of the Messages dialect (test_byoh_messages)
+                 # the agent SDKs of examples/ (tests/examples); overrides: what bfcl-eval's
+                 # model handlers import (bfcl-eval itself comes --no-deps, see `suites`)
+                 "openai-agents", "smolagents", "overrides",
                  # transformers' own GGUF loader (the reference of tests/models/test_gguf*)
                  "accelerate",
                  "pytest-xdist",  # the default suite runs on 2 workers (pytest.ini)
