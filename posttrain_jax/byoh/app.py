@@ -3,7 +3,7 @@
 Every error a client can cause is a 4xx with an OpenAI-style body (Anthropic's on /v1/messages);
 an unknown route is a 404 in the same shape; a call while the learner is behind (online) is a
 429 with `Retry-After`, or waits (backpressure.py); only our own failures (the engine) are 5xx. A
-forced `tool_choice` the model did not meet in any of the samples drawn (server.Proxy.sample) is
+forced `tool_choice` the model did not meet in any of the samples drawn (tool_choice.py) is
 a 422 naming the field (code "tool_choice_unsatisfied"; not a 5xx, so clients do not retry on
 their own what the proxy already retried), and unlike a 4xx the client caused, its samples are
 recorded, as a "rejected" call. The Responses API and Anthropic's Messages API are served by
@@ -12,7 +12,7 @@ dialects.py.
 Chat streaming answers are server-sent events: a role chunk at once, then the content, the tool
 calls, a final chunk with the finish reasons, the usage chunk when `stream_options.include_usage`,
 and `data: [DONE]`. The content is sent while it is sampled where the engine streams (`stream`: the
-embedded sampler, a few decode steps at a time; server.StreamText says which text is sure to stay),
+embedded sampler, a few decode steps at a time; stream_text.StreamText says which text is sure to stay),
 else -- and when tool calls must first be parsed out of the whole text -- once decoded, a chunk per
 token. A stream the client leaves early records its call as incomplete. The policy version that
 answered is in `system_fingerprint` ("posttrain_jax-v<version>"; streams: the final chunk) and, for

@@ -16,7 +16,7 @@ A request becomes the chat a Chat Completions harness would send for the same co
 
 `max_tokens` is required; `stop_sequences`, `temperature` (0..1), `top_p`, `top_k` and
 `tool_choice` {type: auto | none | any | tool (name)} with `disable_parallel_tool_use` are
-honoured (any / tool as the chat route's "required" / a named function: server.Proxy.sample,
+honoured (any / tool as the chat route's "required" / a named function: tool_choice.py,
 a prefilled call drawn again until met, else a 422); `seed` is ours (sampling is then reproducible,
 streamed or not). A final assistant message (a prefill) is refused: the chat template would
 close that turn, not continue it. Callers send their key as `x-api-key` (or `Authorization:

@@ -9,7 +9,7 @@ engine lacks the capability (server.Proxy.prepare checks engines/base.py's capab
 Tools: `tool_choice` "auto" (parse the calls the model writes), "none" (the tools are still
 rendered, as vLLM does by default, but no call is parsed), "required" or a named function
 {"type": "function", "function": {"name"}} (the answer must call a tool / that tool: see
-server.Proxy.sample for how, without constrained decoding), `parallel_tool_calls` false (at
+tool_choice.py for how, without constrained decoding), `parallel_tool_calls` false (at
 most one call per answer). A request whose `tool_choice` cannot be met within the retries is
 answered `Unsatisfied`: a 422 naming the field.
 """

@@ -30,7 +30,7 @@ them. `usage` counts the prompt's and the sampled tokens. A response cut by
 `response.content_part.done`, or `response.function_call_arguments.delta` / `.done`),
 `response.output_item.done`, then `response.completed`; a failure mid-stream sends `error` and
 `response.failed`. `tool_choice` "auto" | "none" | "required" | {type: function, name} and
-`parallel_tool_calls` are served as the chat route serves them (server.Proxy.sample: a forced
+`parallel_tool_calls` are served as the chat route serves them (tool_choice.py: a forced
 call is prefilled and drawn again until met, else a 422). Beyond the API: `seed` (sampling is
 then reproducible, streamed or not). Not served: structured `text.format` and `top_logprobs`.
 Errors are `{"error": {"message", "type", "param", "code"}}` with a 4xx.

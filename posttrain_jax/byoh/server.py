@@ -31,23 +31,7 @@ tool_choice="auto" works whatever the engine), answer, record the result. A clie
 before the answer is complete leaves its call "incomplete"; an engine failure is a 503 and an
 "error" call. Both are kept and never trained on.
 
-Forced tool calls without constrained decoding (`Proxy.sample`). No engine here constrains
-decoding to a tool-call grammar, so `tool_choice` "required" / a named function is met by
-(1) a prefill: the assistant turn starts with the chat format's call opening, up to the
-function's `"name":` key, or for a named function up to its `"arguments":` key
-(`<tool_call>\n{"name": "add", "arguments":` in hermes). Those are prompt tokens (recorded in
-the call's prompt, never trained as sampled), the prefill ends before a space, where byte-level
-BPE pre-tokenizers split, so the sampled tokens are the ones the model would write there; and
-(2) rejection: an answer that still has no (matching) call is drawn again, up to
-`ProxyConfig.tool_choice_retries` times, each with a new seed (derived from the request's, so a
-seeded request stays reproducible). Every miss is recorded as a call of status "rejected" (never
-trained); the call the client gets is the accepted sample, recorded with its own log-probs (the
-policy's, not the policy conditioned on calling a tool: rejection is a selection the recorded
-log-probs do not correct). If no sample meets it, the client gets a 422 naming `tool_choice`
-and the call itself is recorded "rejected". A call to another function than the named one is a
-miss. `parallel_tool_calls` false: an answer with several calls is cut after its first, as a
-stop string cuts (the tokens up to the end of that call are kept, the rest dropped, so what is
-trained is exactly a prefix of what was sampled); one that cannot be cut so is a miss.
+Forced tool calls without constrained decoding: tool_choice.py (a prefill, then rejection).
 """
 from __future__ import annotations
 
@@ -63,12 +47,15 @@ import uuid
 from typing import Any, Optional
 
 from posttrain_jax.byoh import openai_api as api
+from posttrain_jax.byoh import tool_choice
 from posttrain_jax.byoh.backpressure import MODES as BACKPRESSURE, Gate
 from posttrain_jax.byoh.prompts import MessageError, Prompt, PromptBuilder, Turn, normalize_messages
 from posttrain_jax.byoh.rebuild import rebuild_session
 from posttrain_jax.byoh.store import Choice, Feedback, TraceStore
+from posttrain_jax.byoh.stream_text import StreamText
+from posttrain_jax.byoh.tool_choice import call_prefill
 from posttrain_jax.engines.base import EngineError, PromptTooLongError, capability
-from posttrain_jax.envs.tool_calls import ToolCall, parse_turn, render_call
+from posttrain_jax.envs.tool_calls import ToolCall, parse_turn
 
 DEFAULT_TENANT = "default"
 
@@ -89,28 +76,6 @@ class ServedChoice(Choice):
   """A choice as served: what the store keeps of it, and what only the response carries."""
   top_logprobs: Optional[list] = None   # per token, the most likely (id, log-prob) pairs when
                                         # asked (the recorded response holds them as text)
-
-
-_PROBE_NAME, _PROBE_KEY = "ptj_probe_name", "ptj_probe_key"
-
-
-def call_prefill(fmt: str, name: Optional[str]) -> str:
-  """The opening of a tool call in format `fmt` (envs/tool_calls.py renders it): up to the
-  `"name":` key, or, for the function `name`, up to its arguments' key. It ends before the space
-  that follows (module docstring)."""
-  if name is None:
-    text = render_call(ToolCall(_PROBE_NAME, {}), fmt)
-    return text[:text.index(json.dumps(_PROBE_NAME))].rstrip()
-  text = render_call(ToolCall(name, {_PROBE_KEY: 0}), fmt)
-  return text[:text.index("{" + json.dumps(_PROBE_KEY))].rstrip()
-
-
-def _retry_seed(seed: Optional[int], attempt: int) -> Optional[int]:
-  """The seed of a forced tool call's `attempt`-th new draw: derived from the request's (a
-  seeded request stays reproducible), distinct from it and from vLLM's seed + j per choice."""
-  if seed is None:
-    return None
-  return int(hashlib.sha256(f"{seed}/retry/{attempt}".encode()).hexdigest()[:15], 16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,12 +267,12 @@ class Proxy:
                          "writes no tool calls", "tool_choice", "unsupported_parameter")
 
   def begin(self, call_id, kind, tenant, session, body, messages, req, prompt: Prompt) -> None:
-    self._record_begin(call_id, kind, tenant, session, body, messages, req.tools, prompt)
+    self.record_begin(call_id, kind, tenant, session, body, messages, req.tools, prompt)
     self.counts["calls"] += 1
     if prompt.break_reason:
       self.counts[f"break/{prompt.break_reason}"] += 1
 
-  def _record_begin(self, call_id, kind, tenant, session, body, messages, tools,
+  def record_begin(self, call_id, kind, tenant, session, body, messages, tools,
                     prompt: Prompt) -> None:
     self.store.begin_call(call_id=call_id, tenant=tenant, session=session, kind=kind,
                           request=body, prompt_text=prompt.text, prompt_ids=prompt.ids,
@@ -318,64 +283,9 @@ class Proxy:
 
   async def sample(self, req: api.Request, prompt: Prompt, chat: bool, end: dict,
                    body: Any) -> list[Choice]:
-    """The call's choices (generate, then `choice`), meeting a forced `tool_choice` and
-    `parallel_tool_calls` false by drawing a missed choice again (module docstring): each miss
-    is recorded as a "rejected" call; `api.Unsatisfied` (a 422) when the retries run out."""
-    call_id = end["call_id"]
-    comps = await self.generate(req, prompt)
-    choices = [self.choice(i, c, req, call_id, chat, prompt.prefill) for i, c in enumerate(comps)]
-    if not (chat and req.parses_tools and self.tool_format):
-      return choices
-    rounds = 1 + max(self.cfg.tool_choice_retries, 0)
-    for attempt in range(1, rounds):
-      missed = [c for c in choices if self._miss(req, c)]
-      if not missed:
-        return choices
-      self._reject(f"{call_id}-rejected-{attempt}", missed, req, prompt, end, body,
-                   f"{self._miss(req, missed[0])} (sample round {attempt} of {rounds}); the call "
-                   f"{call_id} drew again")
-      again = await self.generate(dataclasses.replace(
-          req, n=len(missed), seed=_retry_seed(req.seed, attempt)), prompt)
-      for c, comp in zip(missed, again):
-        choices[c.index] = self.choice(c.index, comp, req, call_id, chat, prompt.prefill)
-    why = next((self._miss(req, c) for c in choices if self._miss(req, c)), None)
-    if why is None:
-      return choices
-    self.counts["tool_choice_unsatisfied"] += 1
-    wanted = ("one call of the function " + repr(req.tool_name) if req.tool_name else
-              "a tool call" if req.tool_choice == "required" else "at most one tool call")
-    param = "tool_choice" if req.tool_choice == "required" else "parallel_tool_calls"
-    raise api.Unsatisfied(
-        f"{param}: the model did not answer with {wanted} in {rounds} samples (the last: {why}); "
-        f"this server cannot constrain decoding, so it draws again up to "
-        f"tool_choice_retries={rounds - 1} times. The samples are recorded as rejected, never "
-        "trained. Send the request again, or relax tool_choice", param, choices)
-
-  @staticmethod
-  def _miss(req: api.Request, c: Choice) -> Optional[str]:
-    """Why choice `c` misses the request's tool_choice / parallel_tool_calls (None: it meets
-    them)."""
-    calls = (c.message or {}).get("tool_calls") or []
-    if req.tool_choice == "required" and not calls:
-      return "no tool call"
-    other = [tc["function"]["name"] for tc in calls if tc["function"]["name"] != req.tool_name]
-    if req.tool_name is not None and other:
-      return f"a call of {other[0]!r}, not {req.tool_name!r}"
-    if not req.parallel_tool_calls and len(calls) > 1:
-      return f"{len(calls)} tool calls"
-    return None
-
-  def _reject(self, rid: str, missed: list[Choice], req: api.Request, prompt: Prompt,
-              end: dict, body, reason: str) -> None:
-    """Records `missed` (samples of call end["call_id"] the client never gets) as call `rid` of
-    status "rejected", of the same session and prompt: kept, and never trained."""
-    self._record_begin(rid, end["kind"], end["tenant"], end["session"], body, end["messages"],
-                       req.tools, prompt)
-    for c in missed:
-      c.message = normalize_messages([c.message])[0] if c.message is not None else None
-    self.store.end_call(rid, status="rejected", choices=list(missed), reason=reason,
-                        latency_s=time.perf_counter() - end["t0"])
-    self.counts["rejected"] += 1
+    """The call's choices, a forced `tool_choice` / `parallel_tool_calls` false met by drawing
+    a missed choice again (tool_choice.py)."""
+    return await tool_choice.sample(self, req, prompt, chat, end, body)
 
   def end_failed(self, e: Exception, **end) -> None:
     """Records how a call that raised `e` ended: the samples of an `api.Unsatisfied` as a
@@ -584,7 +494,7 @@ class Proxy:
       self.history(tenant, session).append(
           Turn(call_id, kind, messages, tools, prompt.text, prompt.ids, list(choices)))
 
-  def text_so_far(self) -> "StreamText":
+  def text_so_far(self) -> StreamText:
     return StreamText(self.builder.decode, self.stop_ids)
 
   # -- feedback ---------------------------------------------------------------------------------
@@ -653,60 +563,3 @@ def _engine_failure(e: BaseException) -> Exception:
   if isinstance(e, PromptTooLongError):
     return api.ApiError(400, str(e), getattr(e, "param", "messages"), "context_length_exceeded")
   return EngineError(f"{type(e).__name__}: {e}")
-
-
-class StreamText:
-  """One choice's text as its tokens arrive. `feed` returns the new text that is sure to begin
-  the final content, and the new sampled tokens the answer keeps, with their log-probs: every
-  token up to the one that ended it (a stop token, or the token completing a stop string),
-  as `Proxy.choice` keeps them. Text is held back where it could still change: the stop
-  token's text is never content; an incomplete UTF-8 character waits for the rest; and the
-  last len(longest stop string) - 1 characters wait, so a stop string completed later cuts the
-  content before anything already sent. Decoding is incremental (a window of the last tokens),
-  so a long answer costs O(tokens), not O(tokens^2)."""
-
-  def __init__(self, decode, stop_ids: tuple[int, ...]):
-    self.decode, self.stop_ids = decode, set(stop_ids)
-    self.ids: list[int] = []        # the content's ids so far (a stop token excluded)
-    self.text = ""                  # their text, decoded incrementally
-    self.sent = ""
-    self.ended = False              # a stop token or stop string ended the content
-    self._seen = 0                  # sampled tokens consumed
-    self._prefix = self._read = 0   # the decode window: ids[_prefix:_read] is already text
-
-  def _grow(self) -> None:
-    before = self.decode(self.ids[self._prefix:self._read])
-    now = self.decode(self.ids[self._prefix:])
-    if len(now) > len(before) and not now.endswith("\ufffd"):
-      self.text += now[len(before):]
-      self._prefix, self._read = self._read, len(self.ids)
-
-  def feed(self, token_ids: list[int], logprobs: list[float],
-           stops: tuple[str, ...]) -> tuple[str, list[tuple[int, float]]]:
-    kept = []
-    for t in range(self._seen, len(token_ids)):
-      self._seen += 1
-      if self.ended:
-        continue
-      kept.append((int(token_ids[t]), float(logprobs[t])))
-      if token_ids[t] in self.stop_ids:
-        self.ended = True
-        continue
-      self.ids.append(int(token_ids[t]))
-      old = len(self.text)
-      self._grow()
-      if any(s in self.text[max(old - len(s) + 1, 0):] for s in stops):
-        self.ended = True           # the content ends before it: `rest` sends what is left
-    if self.ended:
-      return "", kept
-    hold = max((len(s) for s in stops), default=1) - 1
-    ready = self.text[:len(self.text) - hold] if hold else self.text
-    if len(ready) <= len(self.sent) or not ready.startswith(self.sent):
-      return "", kept
-    piece, self.sent = ready[len(self.sent):], ready
-    return piece, kept
-
-  def rest(self, content: str) -> Optional[str]:
-    """What of the final `content` is still to send; None if what was sent does not begin it
-    (a tokenizer whose text of a prefix is not a prefix of the text: counted by the caller)."""
-    return content[len(self.sent):] if content.startswith(self.sent) else None

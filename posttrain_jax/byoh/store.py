@@ -13,7 +13,7 @@ Nothing is ever updated or deleted. A call is two rows, written at two moments:
     results   inserted when the call ends: status "complete" (the response reached the client),
               "incomplete" (the client went away, the stream was cut), "error" (our engine
               failed) or "rejected" (samples the proxy drew but did not answer with: they missed
-              the request's tool_choice, see server.Proxy.sample), with per choice the sampled
+              the request's tool_choice, see tool_choice.py), with per choice the sampled
               ids, their log-probs, finish reason and policy version, and the latency
 
 A call with no results row was cut by the proxy dying: it reads as "incomplete". Only

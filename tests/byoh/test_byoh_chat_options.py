@@ -13,7 +13,8 @@ import httpx
 import openai
 import pytest
 
-from posttrain_jax.byoh.server import ProxyConfig, call_prefill
+from posttrain_jax.byoh.server import ProxyConfig
+from posttrain_jax.byoh.tool_choice import call_prefill
 from posttrain_jax.byoh.store import StoreConfig, TraceStore
 from posttrain_jax.byoh.triage import store_features
 from tests.support import byoh as bt
