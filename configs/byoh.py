@@ -15,7 +15,13 @@ Measured (benchmarks/byoh_online.py, 8 harness threads, 64 sessions a step, 200 
 one seed each): held-out 0.563 -> 0.689 with the bound (10.6% of sessions not trained, median
 staleness 2), 0.563 -> 0.389 at step 50 and 0.656 at the end without it (median staleness 5:
 the sessions served while the first eval ran, all at version 0, were trained first).
+One adapter per tenant (docs/byoh.md, "Many tenants, one base"): `:online` with
+`--config.rl.learner.lora.rank=8 --config.rl.learner.lora.tenants='("a", "b")'` and
+`--config.rl.traces.online.proxy.api_keys='(("key-a", "a"), ("key-b", "b"))'`.
 """
+from posttrain_jax.byoh.server import ProxyConfig
+from posttrain_jax.config_io import config_dict_of
+from posttrain_jax.models.lora import LoRAConfig
 from posttrain_jax.run_config import base_config
 
 
@@ -40,4 +46,8 @@ def get_config(mode: str = ""):
   if mode == "online":
     c.rl.mode = "online"
     c.rl.traces.max_staleness = 4
+    # tuple-valued fields settable as flags: --config.rl.learner.lora.tenants='("a", "b")',
+    # --config.rl.traces.online.proxy.api_keys='(("key-a", "a"), ("key-b", "b"))'
+    c.rl.learner.lora = config_dict_of(LoRAConfig(), keep_tuples=True)
+    c.rl.traces.online.proxy = config_dict_of(ProxyConfig(), keep_tuples=True)
   return c
