@@ -4,12 +4,17 @@ Side by side in one run, on the same tiny model and the same embedded sampler:
   direct   `engine.generate` in this process on the chat's prompt ids (what the harness would
            pay with the engine linked in, no HTTP, no recording)
   proxy    the same chat through `launch/serve.py` (its own process, recording on, SQLite
-           `--synchronous`) with an HTTP client, the same seed, so both decode the same tokens
-Calls alternate direct / proxy so machine noise hits both; the added latency is each pair's
-difference, reported at p50 / p99, beside the cost of a bare HTTP round trip to the same server
-(GET /health), the part any server in front of an engine costs. Then `--concurrency` client threads call the proxy at once
-(each its own session) for sustained calls/s. Ends with
-`RESULT p50_overhead_ms=… p99_overhead_ms=… calls_per_s=…`.
+           `--synchronous`) with an HTTP client, the same seed, so both decode the same tokens,
+           in each dialect: Chat Completions, the Responses API (`input` the same user text),
+           Anthropic's Messages API (the same messages); each renders the same prompt ids
+Calls alternate direct / chat / responses / messages so machine noise hits all; the added
+latency is each proxied call's difference from the direct call beside it, reported at p50 /
+p99 per dialect, beside the cost of a bare HTTP round trip to the same server (GET /health),
+the part any server in front of an engine costs. Then `--concurrency` client threads call the
+proxy at once (each its own session) for sustained calls/s. Ends with
+`RESULT p50_overhead_ms=… p99_overhead_ms=… p50_overhead_responses_ms=…
+p99_overhead_responses_ms=… p50_overhead_messages_ms=… p99_overhead_messages_ms=…
+calls_per_s=…` (the first two: Chat Completions).
 
 `--vary`: a harness that varies its options (issue 31 item 3). `--clients` (16) client threads
 through the proxy, after a warm-up that compiles each length bucket once (engines/sampling.py):
@@ -208,31 +213,51 @@ def main():
   port = _free_port()
   proc = _serve(port, args.synchronous)
   try:
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    base = f"http://127.0.0.1:{port}"
+    url = base + "/v1/chat/completions"
     body = {"model": "posttrain_jax", "messages": messages, "max_tokens": args.max_tokens,
             "temperature": 1.0}
+    # dialect -> (path, body, the usage field of the answer's sampled tokens, headers)
+    dialects = {
+        "chat": ("/v1/chat/completions", body, "completion_tokens", {}),
+        "responses": ("/v1/responses", {"model": "posttrain_jax", "input": messages[0]["content"],
+                                        "max_output_tokens": args.max_tokens,
+                                        "temperature": 1.0}, "output_tokens", {}),
+        "messages": ("/v1/messages", body, "output_tokens", {"anthropic-version": "2023-06-01"}),
+    }
     client = httpx.Client(timeout=60)
+
+    def call(name: str, seed: int, session: str) -> int:
+      path, b, usage, headers = dialects[name]
+      r = client.post(base + path, json={**b, "seed": seed},
+                      headers={**headers, "X-Session-Id": session})
+      r.raise_for_status()
+      return int(r.json()["usage"][usage])
     for i in range(5):  # compile both sides' shapes
       engine.generate([ids], sp, seed=i)
-      client.post(url, json={**body, "seed": i}, headers={"X-Session-Id": f"warm{i}"})
-    direct, proxied, tokens = [], [], []
+      for name in dialects:
+        call(name, i, f"warm{name}{i}")
+    direct = []
+    proxied = {name: [] for name in dialects}
+    same = {name: [] for name in dialects}
     for i in range(args.calls):
       t0 = time.perf_counter()
       out = engine.generate([ids], sp, seed=1000 + i)
       direct.append(time.perf_counter() - t0)
-      t0 = time.perf_counter()
-      r = client.post(url, json={**body, "seed": 1000 + i}, headers={"X-Session-Id": f"p{i}"})
-      proxied.append(time.perf_counter() - t0)
-      r.raise_for_status()
-      tokens.append((len(out[0][0].token_ids), r.json()["usage"]["completion_tokens"]))
-    same_tokens = float(np.mean([a == b for a, b in tokens]))
+      for name in dialects:
+        t0 = time.perf_counter()
+        n = call(name, 1000 + i, f"p{name}{i}")
+        proxied[name].append(time.perf_counter() - t0)
+        same[name].append(n == len(out[0][0].token_ids))
+    same_tokens = float(np.mean(same["chat"]))
     floor = []  # an HTTP round trip to the same server doing no work: the client's + server's
     for i in range(args.calls):  # share of the added latency, which any server would cost
       t0 = time.perf_counter()
       client.get(url.replace("/v1/chat/completions", "/health")).raise_for_status()
       floor.append(time.perf_counter() - t0)
-    d, q = np.array(direct) * 1e3, np.array(proxied) * 1e3
+    d, q = np.array(direct) * 1e3, np.array(proxied["chat"]) * 1e3
     over, floor_ms = q - d, np.array(floor) * 1e3
+    over_by = {name: np.array(x) * 1e3 - d for name, x in proxied.items()}
 
     def burst(k):
       with httpx.Client(timeout=120) as c:
@@ -258,7 +283,11 @@ def main():
   print(f"{'':40s} {'p50 ms':>8s} {'p99 ms':>8s}")
   for name, a, b in rows:
     print(f"{name:40s} {a:8.2f} {b:8.2f}")
-  print(f"same token count both sides: {same_tokens:.2f} of {args.calls} pairs")
+  print(f"{'added per call, by dialect':40s}")
+  for name, x in over_by.items():
+    print(f"{'  ' + name:40s} {np.percentile(x, 50):8.2f} {np.percentile(x, 99):8.2f}   same "
+          f"tokens as direct: {np.mean(same[name]):.2f}")
+  print(f"same token count both sides (chat): {same_tokens:.2f} of {args.calls} pairs")
   print(f"{args.concurrency} concurrent clients: {calls_per_s:.1f} calls/s "
         f"({args.concurrency * args.calls_per_client} calls in {wall:.1f} s; session c0 "
         f"recorded {recorded}/{args.calls_per_client} complete)")
@@ -266,10 +295,17 @@ def main():
              "proxy_ms": {"p50": rows[1][1], "p99": rows[1][2]},
              "overhead_ms": {"p50": rows[2][1], "p99": rows[2][2]},
              "http_round_trip_ms": {"p50": rows[3][1], "p99": rows[3][2]},
-             "calls_per_s": calls_per_s, "same_tokens": same_tokens}
+             "overhead_by_dialect_ms": {
+                 name: {"p50": float(np.percentile(x, 50)), "p99": float(np.percentile(x, 99)),
+                        "same_tokens": float(np.mean(same[name]))}
+                 for name, x in over_by.items()},
+             "calls_per_s": calls_per_s, "same_tokens": same_tokens, "load_avg": os.getloadavg()[0]}
   write_result(args.out, info, summary)
+  dialect_keys = " ".join(
+      f"p{q}_overhead_{name}_ms={np.percentile(over_by[name], q):.2f}"
+      for name in ("responses", "messages") for q in (50, 99))
   print(f"RESULT p50_overhead_ms={rows[2][1]:.2f} p99_overhead_ms={rows[2][2]:.2f} "
-        f"calls_per_s={calls_per_s:.1f}")
+        f"{dialect_keys} calls_per_s={calls_per_s:.1f}")
 
 
 if __name__ == "__main__":
