@@ -265,12 +265,10 @@ def _abstract_params(model: Decoder, mesh: Optional[Mesh]) -> dict:
 
 def abstract_frozen(model: Decoder, cfg: LearnerConfig, mesh: Optional[Mesh] = None):
   """The frozen base a LoRA `Learner(model, cfg, mesh=mesh)` holds, as ShapeDtypeStructs with
-  their shardings (in LoRAConfig.base_dtype); None without LoRA."""
+  their shardings (in LoRAConfig.base_dtype, as lora.cast_base makes it); None without LoRA."""
   if not cfg.lora.enabled:
     return None
-  dtype = jnp.dtype(cfg.lora.base_dtype)
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype, sharding=a.sharding),
-                      _abstract_params(model, mesh))
+  return lora.cast_base(_abstract_params(model, mesh), cfg.lora.base_dtype)
 
 
 def abstract_train_state(model: Decoder, cfg: LearnerConfig,

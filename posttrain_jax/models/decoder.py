@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 
 from posttrain_jax import sharding as shd
 from posttrain_jax.models.config import ModelConfig
+from posttrain_jax.models.quant import as_float
 from posttrain_jax.models.rope import apply_rope, cos_sin, inv_frequencies
 
 _NEG_INF = -1e30  # finite: a fully masked row (a padding query) gives a uniform softmax, not NaN
@@ -72,7 +73,8 @@ def _keys(rng: Optional[jax.Array], n: int) -> tuple:
 class Linear(nnx.Module):
   """y = x @ kernel (+ bias) + s · dropout(x) @ lora_a @ lora_b; kernel [in, out] with logical
   axes `axes`. The adapter term only where models/lora.py attached one (lora_a [in, r], lora_b
-  [r, out], s = lora_scale, dropout rate lora_dropout, applied only when given a key)."""
+  [r, out], s = lora_scale, dropout rate lora_dropout, applied only when given a key). The
+  kernel's value may be a quant.Int8Kernel (LoRA's int8 base): dequantised here, per call."""
 
   def __init__(self, din: int, dout: int, *, bias: bool, axes: tuple[str, str],
                cfg: ModelConfig, rngs: nnx.Rngs):
@@ -86,7 +88,7 @@ class Linear(nnx.Module):
   def __call__(self, x: jax.Array, rng: Optional[jax.Array] = None) -> jax.Array:
     # As one 2-D matmul: XLA:CPU runs the [rows, in] x [in, out] product and its two backward
     # products about twice as fast as the 3-D dot_general (measured on the tiny model).
-    kernel = self.kernel[...].astype(self.dtype)
+    kernel = as_float(self.kernel.get_value(), self.dtype)
     x2 = x.astype(self.dtype).reshape(-1, x.shape[-1])
     y = jnp.dot(x2, kernel)
     if self.lora_a is not None:

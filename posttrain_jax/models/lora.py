@@ -9,16 +9,21 @@ differently). The adapters live in the projections themselves (decoder.Linear's 
 `lora_b`, variable type `LoRAParam`, logical axes (in, "lora_rank") and ("lora_rank", out)) but in
 a parameter tree of their own: `attach` returns the adapted graph, the adapters' shapes and the
 base parameters, `join` puts the two trees together for a forward pass. The learner
-differentiates and optimises the adapters only; the base (optionally stored in bfloat16) is an
-argument of the step that never changes.
+differentiates and optimises the adapters only; the base is an argument of the step that never
+changes, optionally stored in bfloat16 or int8 (`cast_base`): int8 holds every decoder-block
+kernel as quant.Int8Kernel (q int8, a float32 scale per output channel, W ≈ q · scale),
+dequantised inside each forward pass (decoder.Linear), so the step, the reference and the
+embedded sampler all read the int8 arrays.
 
 Adapters off is A = B = 0 (`disabled`): the reference policy and frozen teachers are the base
 model with no second copy of its weights. `merged` folds W + s·A·B into a plain model (the HF
-export does so by itself: hf_io.save_hf_model); peft_io.py writes the adapters in PEFT's format.
+export does so by itself: hf_io.save_hf_model; an int8 base is dequantised there, the merged
+kernels in float32); peft_io.py writes the adapters in PEFT's format.
 
 Simplified: adapters only on projections inside the decoder blocks (the LM head enters the
-fused log-prob kernel as a weight, so an adapter there would be skipped); no rsLoRA / DoRA; no
-int8 base.
+fused log-prob kernel as a weight, so an adapter there would be skipped); no rsLoRA / DoRA; the
+int8 base quantises the block projections only (quant.py: weights only, no QLoRA NF4 / double
+quantisation).
 """
 from __future__ import annotations
 
@@ -32,22 +37,29 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from posttrain_jax import sharding as shd
+from posttrain_jax.models import quant
 from posttrain_jax.models.decoder import Decoder, Linear
 from posttrain_jax.tenants import check_tenants
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_BASE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_BASE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
 
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
-  """Low-rank adapters on the learner's model (rank 0 = off: every parameter trains)."""
+  """Low-rank adapters on the learner's model (rank 0 = off: every parameter trains).
+
+  The adapters and their optimizer state are float32 whatever `base_dtype` is; base_dtype="int8"
+  quantises only the decoder blocks' projection kernels (q/k/v/o/gate/up/down), while the
+  embeddings, norms, biases and LM head stay as loaded (float32 for a float32 model)."""
   rank: int = 0                   # r; 0 = no adapters (full fine-tuning)
   alpha: float = 16.0             # scale s = alpha / r (PEFT's lora_alpha)
   dropout: float = 0.0            # dropout on an adapter's input, in training steps only
   target_modules: tuple[str, ...] = TARGETS  # fnmatch patterns on a projection's name ("q_proj")
                                   # or path ("layers.0.mlp.up_proj"); HF names, attention + MLP
-  base_dtype: str = "float32"     # storage dtype of the frozen base: float32 | bfloat16
+  base_dtype: str = "float32"     # storage dtype of the frozen base: float32 | bfloat16 |
+                                  # int8 (block projection kernels only: int8 + a float32
+                                  # scale per output channel, models/quant.py)
   tenants: tuple[str, ...] = ()   # one adapter per tenant named (posttrain_jax/tenants.py):
                                   # each trains on its own sessions only and serves its own
                                   # calls (rl.mode traces / online); () = one adapter
@@ -162,14 +174,37 @@ def init_adapters(adapters: nnx.State, seed: int, mesh: Optional[Mesh] = None,
   return jax.jit(make, out_shardings=shardings)(jax.random.key(seed))
 
 
+def _at(tree: dict, path: tuple):
+  for k in path:
+    tree = tree[k.key]
+  return tree
+
+
+def _is_block_kernel(path, x) -> bool:
+  """A decoder-block projection's [in, out] kernel (layers.i.….kernel), what int8 quantises."""
+  keys = [getattr(k, "key", None) for k in path]
+  return keys[0] == "layers" and keys[-1] == "kernel" and len(x.shape) == 2
+
+
 def cast_base(base: dict, dtype: str) -> dict:
   """The base parameters in `dtype` (LoRAConfig.base_dtype), each kept in its sharding; leaves
-  already in it are the same arrays (no copy)."""
+  already in it are the same arrays (no copy). "int8": each block kernel becomes a
+  quant.Int8Kernel (its scale sharded like the kernel's output axis), every other leaf is the
+  same array. `base` may be abstract (ShapeDtypeStructs with shardings): the result is too."""
+  abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(base))
+  if dtype == "int8":
+    paths = [p for p, x in jax.tree_util.tree_leaves_with_path(base) if _is_block_kernel(p, x)]
+    kernels = [_at(base, p) for p in paths]
+    convert = jax.jit(lambda ws: [quant.quantize(w) for w in ws],
+                      out_shardings=[quant.shardings(w.sharding) for w in kernels])
+    done = dict(zip(paths, jax.eval_shape(convert, kernels) if abstract else convert(kernels)))
+    return jax.tree_util.tree_map_with_path(lambda p, x: done.get(p, x), base)
   dt = _BASE_DTYPES[dtype]
   if all(x.dtype == dt for x in jax.tree.leaves(base)):
     return base
   shardings = jax.tree.map(lambda x: x.sharding, base)
-  return jax.jit(lambda t: jax.tree.map(lambda x: x.astype(dt), t), out_shardings=shardings)(base)
+  convert = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(dt), t), out_shardings=shardings)
+  return jax.eval_shape(convert, base) if abstract else convert(base)
 
 
 def join(base: Optional[dict], adapters: dict) -> dict:
@@ -199,27 +234,37 @@ def has_adapters(model: Decoder) -> bool:
 
 @jax.jit
 def _merge_kernel(w, a, b, scale):
-  return (w.astype(jnp.float32) + scale * jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
-                                                  precision="highest")).astype(w.dtype)
+  """W + s·A·B (no adapter: A, B None) in W's dtype; an int8 W dequantised, the result float32."""
+  if isinstance(w, quant.Int8Kernel):
+    w32, dtype = quant.dequantize(w), jnp.float32
+  else:
+    w32, dtype = w.astype(jnp.float32), w.dtype
+  if a is not None:
+    w32 = w32 + scale * jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")
+  return w32.astype(dtype)
 
 
 def merged(model: Decoder) -> Decoder:
   """A plain model (no adapters) computing what `model` computes without dropout: each adapted
   kernel is W + s·A·B, in W's dtype (rounded to it, as PEFT's merge_and_unload does on a
-  bfloat16 base); every other parameter is `model`'s own array. A model without adapters is
-  returned as it is."""
-  if not has_adapters(model):
+  bfloat16 base); an int8 kernel (LoRAConfig.base_dtype) is dequantised, adapted or not, into
+  float32; every other parameter is `model`'s own array. A model with neither adapters nor int8
+  kernels is returned as it is."""
+  quantised = lambda lin: isinstance(lin.kernel.get_value(), quant.Int8Kernel)
+  if not any(lin.lora_a is not None or quantised(lin) for _, lin in projections(model)):
     return model
   _, params = nnx.split(model, nnx.Param)   # LoRAParam is an nnx.Param: adapters included
   params = nnx.to_pure_dict(params)
   plain = nnx.eval_shape(lambda: type(model)(model.cfg, nnx.Rngs(0), mesh=model.mesh,
                                              rules=model.rules))
-  for path, lin in adapted(model):
+  for path, lin in projections(model):
+    if lin.lora_a is None and not quantised(lin):
+      continue
     node = params
     for k in path:
       node = node[k]
-    node["kernel"] = _merge_kernel(node["kernel"], node.pop("lora_a"), node.pop("lora_b"),
-                                   lin.lora_scale)
+    node["kernel"] = _merge_kernel(node["kernel"], node.pop("lora_a", None),
+                                   node.pop("lora_b", None), lin.lora_scale)
   graphdef, state = nnx.split(plain, nnx.Param)
   nnx.replace_by_pure_dict(state, params)
   return nnx.merge(graphdef, state)

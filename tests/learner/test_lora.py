@@ -182,8 +182,8 @@ def test_lora_config_flows_from_the_run_config():
   assert cfg.sft.learner.lora == lora.LoRAConfig() and not cfg.sft.learner.lora.enabled
   with pytest.raises(ConfigTypeError, match=r"config\.rl\.learner\.lora\.rank: expected int"):
     run_config_from_dict({"rl": {"learner": {"loss": "grpo", "lora": {"rank": "eight"}}}})
-  with pytest.raises(ValueError, match="base_dtype is 'int8'"):
-    lora.LoRAConfig(rank=8, base_dtype="int8")
+  with pytest.raises(ValueError, match="base_dtype is 'int4'"):
+    lora.LoRAConfig(rank=8, base_dtype="int4")
 
 
 @pytest.mark.devices(8)
