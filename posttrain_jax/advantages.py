@@ -188,12 +188,16 @@ class AdvantageResult:
 
 def compute_advantages(trajectories: Sequence[Trajectory], cfg: AdvantageConfig = AdvantageConfig(),
                        state: Optional[BaselineState] = None, *,
-                       allow_ungraded: bool = False, per_task: bool = True) -> AdvantageResult:
+                       allow_ungraded: bool = False, per_task: bool = True,
+                       baseline_key: Optional[Callable[[Trajectory], str]] = None
+                       ) -> AdvantageResult:
   """Advantages for a list of trajectories (groups identified by `group_id`).
 
   `allow_ungraded`: a trajectory with reward None that is not an infra error gets A = 0 and
   stays out of every statistic (module docstring) instead of raising. `per_task`: the running
-  baseline keeps a mean per task (False where tasks never come back: recorded sessions).
+  baseline keeps a mean per task (False where tasks never come back: recorded sessions);
+  `baseline_key`: the running baseline keeps a mean per `baseline_key(trajectory)` instead (a
+  tenant), whatever `per_task` says.
 
   stats: num_trajectories, infra_excluded, infra_error_frac, ungraded (episodes without a
   reward, infra errors apart), ungraded_frac (of the episodes), num_groups (groups with at least
@@ -251,8 +255,9 @@ def compute_advantages(trajectories: Sequence[Trajectory], cfg: AdvantageConfig 
                  group_size_max=float(sizes.max()) if len(sizes) else 0.0)
   elif spec.kind == "running":
     adv, new_state, unseen = running_baseline_advantages(
-        [t.reward for t in graded], [t.task_id for t in graded], state or BaselineState(),
-        cfg.baseline_rate, per_task)
+        [t.reward for t in graded],
+        [baseline_key(t) if baseline_key else t.task_id for t in graded],
+        state or BaselineState(), cfg.baseline_rate, per_task or baseline_key is not None)
     adv_heads = np.zeros(len(kept), np.float32)           # ungraded heads keep A = 0
     adv_heads[is_graded] = adv
     advantages[keep] = _spread(every_kept, heads, adv_heads)

@@ -7,7 +7,7 @@
     source.state() / source.restore(state)   its part of the checkpoint (JSON)
     source.close()                           stop (async: in-flight work finishes or is saved)
 
-and three read-only facts the run needs without asking which source it is:
+and four read-only facts the run needs without asking which source it is:
 
     off_policy        a batch may hold samples of older policies (async, recorded traces): the
                       loss gets `rl.async_correction` when it was given none. It may change
@@ -16,6 +16,9 @@ and three read-only facts the run needs without asking which source it is:
                       signal first (rl.oversample); None = all of them
     repeats_tasks     a task comes back (task banks) or each is seen once (recorded sessions):
                       the running baseline keeps a per-task mean only for the former
+    baseline_key      trajectory -> the key the running baseline keeps a mean for instead of its
+                      task (per-tenant learning: the tenant, so one tenant's rewards never set
+                      another's baseline); None = the task
 
 `SourceBase` gives the defaults; the sources themselves live with what they read from
 (actors/rollout.py, actors/pool.py, byoh/trace_source.py) and are registered by name in
@@ -23,13 +26,14 @@ posttrain_jax/run/sources/ (`rl.mode`).
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 
 class RolloutSource(Protocol):
   off_policy: bool
   train_groups: Optional[int]
   repeats_tasks: bool
+  baseline_key: Optional[Callable[[Any], str]]
 
   def update_weights(self, params, version: int) -> None: ...
   def collect(self, step: int) -> tuple[list, list]: ...
@@ -46,6 +50,7 @@ class SourceBase:
   off_policy: bool = False
   train_groups: Optional[int] = None
   repeats_tasks: bool = True
+  baseline_key: Optional[Callable[[Any], str]] = None
 
   def after_step(self, result: Any, learner: Any) -> None:
     """Sees each step's StepResult (rl_step.py) after the update; nothing by default."""

@@ -10,7 +10,9 @@ whose turn a step is:
     select   learner.select(tenant): the step's log-probs, loss and update are that tenant's
     take     up to prompts_per_step of that tenant's sessions (TraceRollouts._take)
 
-A session is only ever trained into its own tenant's adapter. Serving (online): each tenant has
+A session is only ever trained into its own tenant's adapter, against its own tenant's running
+baseline (`baseline_key`: one EMA of rewards per tenant, so a tenant whose task is harder is not
+pushed down by another's easier rewards). Serving (online): each tenant has
 an engine view of its own (`views`, e.g. JaxSampler.fork: the same compiled programs and base
 arrays, its own weights slot), and the proxy routes a call to its authenticated tenant's view,
 so a tenant never samples another's adapter. After a step only the tenant trained gets new
@@ -33,6 +35,11 @@ from posttrain_jax.types import Trajectory
 class TenantTraceRollouts(TraceRollouts):
   """TraceRollouts, one tenant a step (the module docstring). `learner`: a per-tenant Learner;
   `views`: tenant -> the engine serving that tenant's adapter (online), or {} (traces)."""
+
+  @staticmethod
+  def baseline_key(traj) -> str:
+    """The running baseline keeps one mean per tenant (rebuild.py tags each sample)."""
+    return "tenant:" + str(traj.metrics.get("tenant", ""))
 
   def __init__(self, cfg: TraceSourceConfig, sessions_per_step: int, learner,
                views: Optional[Mapping[str, object]] = None, **kw):

@@ -236,7 +236,8 @@ class Trainer:
       out = rl_step(learner, source, step=step, version=version, advantage=cfg.advantage,
                     batch_cfg=parts.shares.rl_batch, baseline=self.state.baseline,
                     inputs=self.inputs, shapes=self.shapes, train_groups=source.train_groups,
-                    per_task_baseline=source.repeats_tasks)
+                    per_task_baseline=source.repeats_tasks,
+                    baseline_key=source.baseline_key)
       source.after_step(out, learner)
       self._follow(source, learner)
       metrics = mean_over_processes(out.metrics)   # each process's rollouts; one row

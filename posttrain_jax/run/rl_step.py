@@ -68,14 +68,15 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
             inputs: Optional[BatchInputs] = None, shapes: Optional[batching.ShapeReuse] = None,
             train_groups: Optional[int] = None, per_task_baseline: bool = True,
             update_epochs: int = 1, reference: Any = None, teacher: Any = None,
-            kl_every: int = KL_EVERY) -> StepResult:
+            kl_every: int = KL_EVERY, baseline_key=None) -> StepResult:
   """Runs one step (see the module docstring). `inputs`: the run's batch-input providers
   (run/inputs.py); without it they are built from `reference` (frozen params for ref_logp),
   `teacher` (a teacher.SelfTeacher for the teacher fields), `update_epochs` and `kl_every`;
   `shapes`: the run's compiled trimmed shapes (batching.ShapeReuse), else each batch runs in
   its own bucket; `train_groups`: train this many of the groups collected, signal first (see
   the module docstring), else all; `per_task_baseline`: False where the source's tasks never
-  come back (the running baseline keeps only its global mean)."""
+  come back (the running baseline keeps only its global mean); `baseline_key`: the source's
+  (actors/source.py), the running baseline's key of a trajectory (None: its task)."""
   if inputs is None:
     inputs = BatchInputs(reference, teacher, update_epochs, kl_every)
   t0 = time.perf_counter()
@@ -85,7 +86,7 @@ def rl_step(learner, source, *, step: int, version: int, advantage: AdvantageCon
   t_gen = time.perf_counter() - t0
   adv = compute_advantages(trajs, advantage, baseline,
                            allow_ungraded=inputs.wants_ungraded(learner),
-                           per_task=per_task_baseline)
+                           per_task=per_task_baseline, baseline_key=baseline_key)
   scored = [t for t, k in zip(trajs, adv.keep) if k and t.reward is not None]
   trained, select_metrics = (signal_first(trajs, adv, train_groups) if train_groups is not None
                              else (adv.keep, {}))

@@ -138,3 +138,26 @@ def test_per_tenant_config_errors_name_the_field(tmp_path):
     _config(tmp_path, db, rl={**rl, "mode": "sync", "advantage": {"estimator": "grpo"},
                               "rollout": {"group_size": 2},
                               "learner": {**RL["learner"], "lora": lora}})
+
+
+def test_the_running_baseline_is_kept_per_tenant():
+  """Each tenant's advantages are against its own reward EMA: tenant b's rewards of 0 do not
+  move tenant a's baseline (a shared global mean would have given a's next sample A = 0.5)."""
+  from posttrain_jax.advantages import AdvantageConfig, compute_advantages
+  from posttrain_jax.byoh.tenant_source import TenantTraceRollouts
+  from posttrain_jax.types import Trajectory
+
+  def traj(i, tenant, reward):
+    return Trajectory(id=f"s{i}/0", task_id=f"s{i}", token_ids=[1, 2], loss_mask=[0, 1],
+                      behaviour_logprobs=[0.0, -1.0], policy_version=[-1, 0], reward=reward,
+                      metrics={"tenant": tenant, "sample_index": 0})
+  cfg = AdvantageConfig(estimator="running", baseline_rate=0.5)
+  key = TenantTraceRollouts.baseline_key
+  first = compute_advantages([traj(0, "a", 1.0), traj(1, "b", 0.0)], cfg, per_task=False,
+                             baseline_key=key)
+  assert dict(first.state.task_means) == {"tenant:a": 1.0, "tenant:b": 0.0}
+  second = compute_advantages([traj(2, "a", 1.0), traj(3, "b", 0.0)], cfg, first.state,
+                              per_task=False, baseline_key=key)
+  np.testing.assert_array_equal(second.advantages, [0.0, 0.0])
+  shared = compute_advantages([traj(2, "a", 1.0)], cfg, first.state, per_task=False)
+  np.testing.assert_array_equal(shared.advantages, [0.5])   # the global EMA (1 then 0 at 0.5)
