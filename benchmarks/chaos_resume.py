@@ -78,7 +78,7 @@ def kill_once(workdir: pathlib.Path, flags, crash_at, at: tuple[int, float]) -> 
   kept = ct.committed(workdir)
   return {"rc": rc, "kill_s": time.monotonic() - t0, "complete": kept[-1] if kept else None,
           "temp": ct.temp_dirs(workdir), "logged": ct.last_step(workdir),
-          "resumed_from": ct.resumed_from(out.read_text()[before:])}
+          "resumed_from": ct.resumed_from(ct.since(out, before))}
 
 
 def trial(i: int, rng: random.Random, root: pathlib.Path, ref) -> dict:

@@ -84,7 +84,13 @@ def run(workdir: pathlib.Path, flags=SYNC, crash_at: Optional[str] = None,
   before = _size(f"{workdir}.out")
   p = start(workdir, flags, crash_at)
   rc = p.wait(timeout)
-  return rc, pathlib.Path(f"{workdir}.out").read_text()[before:]
+  return rc, since(f"{workdir}.out", before)
+
+
+def since(path, offset: int) -> str:
+  """The text of `path` after its first `offset` BYTES (a size from `_size`): slicing the decoded
+  text by a byte count would start late after any non-ASCII character (a log line's "≥")."""
+  return pathlib.Path(path).read_bytes()[offset:].decode("utf-8", "replace")
 
 
 def _size(path) -> int:
