@@ -12,7 +12,10 @@ for every finish reason an engine can return (`FINISH_STATUS`):
   the policy's answer, so it is never graded, never in a baseline, and counted by reason;
 - anything else -> `infra_error` naming the unknown reason (an engine we do not understand is
   our problem, not the policy's).
-The grader raising (an unreadable reference answer) -> `infra_error` for that trajectory.
+The G completions of a task are graded together (`grade_group`, graders/base.py: a judge scores
+them relative to each other in one call); a grader failing (an unreadable reference answer, a
+judge down or answering garbage) -> `infra_error` for the completions it failed on (for a group
+grader, the whole group), never a reward of 0.
 The engine raising -> the episode raises; the source retries / requeues (actors/episode.py).
 """
 from __future__ import annotations
@@ -30,7 +33,7 @@ from posttrain_jax.actors.source import SourceBase, check_kind
 from posttrain_jax.batching import sft_trajectory
 from posttrain_jax.engines.base import (
     Completion, Engine, PromptTooLongError, SamplingParams, engine_metrics)
-from posttrain_jax.graders import GradeResult
+from posttrain_jax.graders import GradeResult, grade_group, grader_metrics
 from posttrain_jax.tasks import Task, solution_text
 from posttrain_jax.errors import UserError
 from posttrain_jax.types import Source, Status, Trajectory
@@ -135,26 +138,34 @@ class TaskEpisode:
             for item, prompt, comps in zip(items, prompts, groups)]
 
   def _group(self, item, prompt, comps, gen_s) -> list[Trajectory]:
+    texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps]
+    statuses = [FINISH_STATUS.get(c.finish_reason) for c in comps]
+    gradable = [j for j, s in enumerate(statuses) if s not in (None, Status.INFRA_ERROR)]
+    grades = dict(zip(gradable, grade_group(self.grader, [texts[j] for j in gradable],
+                                            item.task)))
     out = []
     for j, comp in enumerate(comps):
-      text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
-      status = FINISH_STATUS.get(comp.finish_reason)
+      status = statuses[j]
       if status is None or status is Status.INFRA_ERROR:
         why = (f"finish_reason {comp.finish_reason!r}" if status is not None
                else f"unknown finish_reason {comp.finish_reason!r}")
-        out.append(_trajectory(item, j, prompt, comp, text, None, Status.INFRA_ERROR, self.cfg,
-                               {"infra_error": 1.0, "error": why,
-                                f"infra/{comp.finish_reason}": 1.0}))
-        continue
-      try:
-        grade = self.grader(text, item.task)
-      except Exception as e:  # noqa: BLE001 -- a grader bug or bad reference: not the policy's fault
-        out.append(_trajectory(item, j, prompt, comp, text, None, Status.INFRA_ERROR, self.cfg,
-                               {"infra_error": 1.0, "error": f"grader: {type(e).__name__}: {e}"}))
-        continue
-      out.append(_trajectory(item, j, prompt, comp, text, grade, status, self.cfg,
-                             {"generate_s": gen_s}))
+        out.append(_trajectory(item, j, prompt, comp, texts[j], None, Status.INFRA_ERROR,
+                               self.cfg, {"infra_error": 1.0, "error": why,
+                                          f"infra/{comp.finish_reason}": 1.0}))
+      elif isinstance(grades[j], Exception):  # a grader bug, a bad reference, a judge down: ours
+        e = grades[j]
+        out.append(_trajectory(item, j, prompt, comp, texts[j], None, Status.INFRA_ERROR,
+                               self.cfg, {"infra_error": 1.0, "infra/grader": 1.0,
+                                          "error": f"grader: {type(e).__name__}: {e}"}))
+      else:
+        out.append(_trajectory(item, j, prompt, comp, texts[j], grades[j], status, self.cfg,
+                               {"generate_s": gen_s}))
     return out
+
+  def metrics(self) -> dict[str, float]:
+    """The grader's own counters since the last call (a judge's judge/requests, cache_hits,
+    failures, ...); both sources log an episode's metrics each step."""
+    return grader_metrics(self.grader)
 
 
 @dataclasses.dataclass(frozen=True)

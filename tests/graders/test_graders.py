@@ -176,7 +176,8 @@ def test_evaluate_expression_is_safe_and_exact():
 
 def test_registry_names_and_unknown_grader():
   assert {"numeric", "exact_match", "countdown"} <= set(GRADERS.names())
-  names = "bfcl, countdown, exact_match, hidden_rule, humaneval, numeric, reasoning_gym"
+  names = ", ".join(GRADERS.names())   # every discovered module's, sorted (a new file joins)
+  assert {"bfcl", "hidden_rule", "humaneval", "judge", "reasoning_gym"} <= set(GRADERS.names())
   with pytest.raises(KeyError, match=f"registered graders: {names}"):
     make_grader("numerik")
   with pytest.raises(TypeError, match="NumericConfig"):
