@@ -32,6 +32,8 @@ def _health(url) -> dict:
 def test_reject_mode_answers_429_with_retry_after_at_the_bound_and_records_nothing(tmp_path):
   cfg = ProxyConfig(backpressure="reject", max_pending_sessions=3, retry_after_s=7)
   with bt.running(bt.scripted_engine(["ok"]), tmp_path / "t.db", cfg) as (url, proxy):
+    now = [0.0]   # the gate's clock: the learner's step time is ours to set, not the machine's
+    proxy.gate._clock, proxy.gate._reported_at = (lambda: now[0]), 0.0
     proxy.gate.report(0, 1)                       # one ready session the learner has not trained
     assert _chat(url, "a").choices[0].message.content == "ok"   # below the bound: served
     assert _chat(url, "b").choices[0].message.content == "ok"   # 1 pending + 2 new = the bound
@@ -48,8 +50,8 @@ def test_reject_mode_answers_429_with_retry_after_at_the_bound_and_records_nothi
     assert (got["rejected"], got["queued"], got["pending"], got["new"]) == (2, 0, 1, 2)
     store = proxy.store
     assert [len(store.calls("default", s)) for s in "abcd"] == [2, 1, 0, 0]
-    time.sleep(1.2)
-    proxy.gate.report(1, 0)                       # the learner stepped (in ~1.2 s) and caught up
+    now[0] = 1.2
+    proxy.gate.report(1, 0)                       # the learner stepped (in 1.2 s) and caught up
     assert _chat(url, "c").choices[0].message.content == "ok"
     assert len(store.calls("default", "c")) == 1
     proxy.gate.report(1, 3)                       # at the bound again: Retry-After = its step
