@@ -89,7 +89,8 @@ def main():
   from posttrain_jax import batching
   from posttrain_jax import learner as L
   from posttrain_jax.engines import vllm_worker
-  from posttrain_jax.engines.vllm_engine import VLLMEngine, VLLMEngineConfig, _hf_pairs
+  from posttrain_jax.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+  from posttrain_jax.engines.vllm_inputs import hf_pairs
   from posttrain_jax.models import hf_io
   from posttrain_jax.models.tiny import TinyModelConfig, build_tiny_model
   from posttrain_jax.types import Trajectory
@@ -126,7 +127,7 @@ def main():
     print(f"vLLM skipped: {SMOKE_SKIP}", flush=True)
     nan = float("nan")
     for transport in transports:
-      pairs = list(_hf_pairs(model_b))
+      pairs = list(hf_pairs(model_b))
       t0 = time.perf_counter()
       nbytes = (vllm_worker.pack_file(str(work / "tmp" / "weights.safetensors"), pairs, "float32")
                 if transport == "shm" else len(vllm_worker.pack_bytes(pairs, "float32")))

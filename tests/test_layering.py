@@ -61,3 +61,54 @@ def test_kernels_import_only_jax():
   for path in (ROOT / "kernels").rglob("*.py"):
     deps = _imported_parts(ast.parse(path.read_text())) - {"kernels"}
     assert not deps, f"{path}: kernels import nothing of the project, found {deps}"
+
+
+_ROOTS = {"kernels": ROOT / "kernels", "launch": ROOT / "launch", "configs": ROOT / "configs"}
+
+
+def _module_file(module: str) -> pathlib.Path | None:
+  parts = module.split(".")
+  if len(parts) > 1 and parts[1] in _ROOTS:  # setup.py maps these top-level folders into the package
+    base = _ROOTS[parts[1]].joinpath(*parts[2:])
+  else:
+    base = ROOT.joinpath(*parts)
+  for p in (base.with_suffix(".py"), base / "__init__.py"):
+    if p.exists():
+      return p
+  return None
+
+
+def _top_level_names(path: pathlib.Path) -> set[str]:
+  names = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      names.add(node.name)
+    elif isinstance(node, (ast.Import, ast.ImportFrom)):
+      names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+      names.add(node.id)
+    elif isinstance(node, ast.Dict):  # a lazy package's export table: {"Trainer": "loop", ...}
+      names.update(k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
+  return names
+
+
+def test_every_from_import_of_ours_names_something_that_exists():
+  """A rename inside the package must not leave a benchmark or example importing the old name
+  (a benchmark imports lazily, so nothing else notices until its smoke run)."""
+  files = [p for p in ROOT.rglob("*.py") if ".venv" not in p.parts and "build" not in p.parts]
+  missing = []
+  for path in files:
+    for node in ast.walk(ast.parse(path.read_text())):
+      if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+              and node.module.split(".")[0] == "posttrain_jax"):
+        continue
+      target = _module_file(node.module)
+      if target is None:
+        missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: no module {node.module}")
+        continue
+      defined = _top_level_names(target)
+      for a in node.names:
+        if a.name == "*" or a.name in defined or _module_file(f"{node.module}.{a.name}"):
+          continue
+        missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module} has no {a.name}")
+  assert not missing, "\n".join(missing)
