@@ -6,8 +6,10 @@ A request becomes the chat a Chat Completions harness would send for the same co
     system: "text" | [{type: text, text}]   -> a system message, first (blocks joined)
     {role: user, content: "text"}           -> a user message
     user blocks: text / tool_result         -> in order: a user message per run of text blocks,
-                 {tool_use_id, content}        a tool message per tool_result (its content a
-                                               string or text blocks)
+                 {tool_use_id, content,        a tool message per tool_result (its content a
+                  is_error}                    string or text blocks; `is_error: true` kept as
+                                               the message's is_error: no chat template shows
+                                               it, the record and triage count it)
     assistant blocks: text / tool_use       -> one assistant message: the text, and a tool call
                  {id, name, input}             per tool_use (arguments: the input as JSON)
     tools: {name, description, input_schema}
@@ -113,8 +115,13 @@ def _user(blocks: list, p: str) -> list[dict[str, Any]]:
         out.append({"role": "user", "content": _string(b, "text", q)})
     else:
       content = b.get("content")
-      out.append({"role": "tool", "tool_call_id": _string(b, "tool_use_id", q),
-                  "content": "" if content is None else _text(content, f"{q}.content")})
+      msg = {"role": "tool", "tool_call_id": _string(b, "tool_use_id", q),
+             "content": "" if content is None else _text(content, f"{q}.content")}
+      if b.get("is_error") is not None and not isinstance(b["is_error"], bool):
+        raise api.ApiError(400, "is_error must be a boolean", f"{q}.is_error")
+      if b.get("is_error"):
+        msg["is_error"] = True
+      out.append(msg)
   return out
 
 

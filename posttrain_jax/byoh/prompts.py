@@ -96,6 +96,10 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
                                   "function": {"name": f["name"], "arguments": args}})
     if role == "tool":
       msg["tool_call_id"] = str(m.get("tool_call_id", ""))
+      if m.get("is_error") is not None and not isinstance(m["is_error"], bool):
+        raise MessageError("is_error must be a boolean", f"{p}.is_error")
+      if m.get("is_error"):   # the harness says the tool failed (Messages' tool_result.is_error)
+        msg["is_error"] = True
     out.append(msg)
   return out
 

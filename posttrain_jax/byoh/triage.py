@@ -11,9 +11,10 @@ The manual trace review the field still does by hand, over a store's sessions:
 
      engine_error    a call our engine failed (status "error"): infrastructure, not the policy
      incomplete      a call cut before it ended (client gone, proxy killed)
-     tool_errors     ≥ 1 tool result that reads as an error: it starts with "error" / "exception"
-                     (after optional punctuation), holds a Python traceback, or is a JSON object
-                     with an "error" key (`TriageConfig.tool_error_patterns`)
+     tool_errors     ≥ 1 tool result the harness marked as an error (`is_error`, the Messages
+                     API's tool_result field) or that reads as one: it starts with "error" /
+                     "exception" (after optional punctuation), holds a Python traceback, or is
+                     a JSON object with an "error" key (`TriageConfig.tool_error_patterns`)
      malformed_call  a reply to a request with tools whose text holds a tool call that does not
                      parse in any registered format (envs/tool_calls.py), so no call was returned
      repeated_calls  one tool call (same name, same arguments as canonical JSON) made ≥
@@ -168,7 +169,7 @@ def session_features(tenant: str, session: str, calls: Sequence[CallRecord],
         continue
       seen_results.add(key)
       f.tool_results += 1
-      f.tool_errors += any(p.search(content) for p in err)
+      f.tool_errors += m.get("is_error") is True or any(p.search(content) for p in err)
     if call.status != "complete":
       continue
     for choice in call.choices:

@@ -277,3 +277,33 @@ def test_one_session_mixes_chat_messages_and_responses(tmp_path):
     assert [c.id for c in calls] == [first.id, second.id, third.id]
     assert [c.parent_call for c in calls] == [None, first.id, second.id]
     bt.check_one_sample(url, "mix", engine, proxy.stop_ids[0])
+
+
+
+def test_a_tool_result_marked_is_error_is_recorded_and_triaged_as_a_tool_error(tmp_path):
+  """`is_error: true` is the harness saying its tool failed: the chat has no field for it, so it
+  rides on the stored tool message (never rendered: both prompts are the same tokens) and
+  triage counts it though the text ("42") reads as no error; a non-boolean is a 400 naming it."""
+  from posttrain_jax.byoh.triage import session_features
+  engine = scripted_engine(["Retrying."])
+  with bt.running(engine, tmp_path / "t.db") as (url, proxy):
+    def call(session, **extra):
+      return anthropic_client(url, session).messages.create(
+          model=MODEL, max_tokens=16, tools=TOOLS, messages=[
+              {"role": "user", "content": "Add 2 and 3."},
+              {"role": "assistant", "content": [
+                  {"type": "tool_use", "id": "t1", "name": "add", "input": {"a": 2, "b": 3}}]},
+              {"role": "user", "content": [
+                  {"type": "tool_result", "tool_use_id": "t1", "content": "42", **extra}]}])
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[2\]\.content\[0\]\.is_error"):
+      call("bad", is_error="yes")
+    call("failed", is_error=True)
+    call("fine", is_error=False)
+    assert proxy.store.sessions("default") and not proxy.store.calls("default", "bad")
+    (failed,), (fine,) = proxy.store.calls("default", "failed"), proxy.store.calls("default", "fine")
+    assert failed.messages[-1] == {"role": "tool", "tool_call_id": "t1", "content": "42",
+                                   "is_error": True}
+    assert fine.messages[-1] == {"role": "tool", "tool_call_id": "t1", "content": "42"}
+    assert engine.prompts[0] == engine.prompts[1]
+    assert session_features("default", "failed", [failed], []).tool_errors == 1
+    assert session_features("default", "fine", [fine], []).tool_errors == 0
