@@ -6,7 +6,7 @@ devices. Fewer devices FAIL them where the count was ours to give -- CPU with ou
 under CI (`CI` set), since the tests would otherwise vanish as silent skips; they skip only
 where the caller chose the devices (their own device-count flag, or a GPU/TPU platform).
 
-`PTJ_SLOW_DEADLINE` (Unix seconds; CI's slow stage sets it so the whole CI stays under an hour):
+`PTJ_SLOW_DEADLINE` (Unix seconds; CI's slow stage sets it so the whole CI stays within its budget):
 a test marked `slow` that would start after it is skipped, with the reason saying so, and the
 run ends with a line counting them, so a time-boxed stage never looks like a full one.
 """
