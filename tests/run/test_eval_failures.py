@@ -2,64 +2,31 @@
 attempt fails, reported (NaN accuracy, eval/failed = 1, a log line) and the run trains on,
 instead of a crash that loses hours of training. A bug (any other exception) still raises.
 
-The engine is the embedded sampler, registered under a test name with a switch that fails
-chosen held-out eval calls (eval generates with seed 12345; rollouts never do)."""
-import dataclasses
+The engine is tests/support's registered "fake": the embedded sampler, failing chosen held-out
+eval calls (eval generates with its own seed; rollouts never do)."""
 import math
 
 import numpy as np
 import pytest
 
-from posttrain_jax.engines.base import EngineError
-from posttrain_jax.engines.jax_sampler import JaxSamplerConfig, _build as build_jax
-from posttrain_jax.engines.registry import register_engine
 from posttrain_jax.metrics import read_metrics
 from posttrain_jax.run import Trainer
+from tests.support import fake_engine  # noqa: F401  (registers the "fake" engine)
 from tests.support.runs import final_weights, tiny_run
 
-EVAL_SEED = 12345
 
-
-@dataclasses.dataclass(frozen=True)
-class FlakyEvalConfig(JaxSamplerConfig):
-  fail_calls: tuple = ()            # 1-based numbers of the eval generate calls that fail
-  error: str = "engine"             # engine: EngineError; bug: ValueError
-
-
-class FlakyEval:
-  def __init__(self, inner, cfg: FlakyEvalConfig):
-    self.inner, self.cfg, self.eval_calls = inner, cfg, 0
-
-  def generate(self, prompts, params, n=1, seed=0):
-    if seed == EVAL_SEED:
-      self.eval_calls += 1
-      if self.eval_calls in self.cfg.fail_calls:
-        if self.cfg.error == "bug":
-          raise ValueError("a bug in our code")
-        raise EngineError(f"engine down (eval call {self.eval_calls})")
-    return self.inner.generate(prompts, params, n=n, seed=seed)
-
-  def __getattr__(self, name):
-    return getattr(self.inner, name)
-
-
-@register_engine("flaky_eval_test", FlakyEvalConfig, shareable=False)
-def _build(cfg, ctx):
-  return FlakyEval(build_jax(cfg, ctx), cfg)
-
-
-def _run(workdir, fail_calls, max_retries, error="engine"):
+def _run(workdir, fail_calls, max_retries, error="engine", fail_on="eval"):
   log = []
   cfg = tiny_run(workdir, rl={
-      "steps": 4, "prompts_per_step": 2, "engine": "flaky_eval_test",
-      "engine_config": {"fail_calls": list(fail_calls), "error": error},
+      "steps": 4, "prompts_per_step": 2, "engine": "fake",
+      "engine_config": {"fail_calls": list(fail_calls), "fail_on": fail_on, "error": error},
       "retry": {"backoff_s": 0.0, "max_retries": max_retries},
       "rollout": {"group_size": 4, "max_tokens": 4},
       "learner": {"loss": "grpo", "optimizer": {"learning_rate": 1e-3}},
       "batch": {"rows": 8, "seq_len": 32, "max_seqs": 8, "pack": False}})
   trainer = Trainer(cfg, log=log.append)
   result = trainer.run()
-  result = result and {**result, "eval_calls": trainer.engine.eval_calls}
+  result = result and {**result, "eval_calls": trainer.engine.counted}
   evals = {r["step"]: r for r in read_metrics(workdir / "metrics.jsonl")
            if any(k.startswith("eval/accuracy") for k in r)}
   return result, evals, log
@@ -112,3 +79,17 @@ def test_an_eval_that_keeps_failing_is_reported_and_the_run_goes_on(tmp_path, cl
 def test_a_bug_in_eval_still_raises(tmp_path):
   with pytest.raises(ValueError, match="a bug in our code"):
     _run(tmp_path, fail_calls=(1,), max_retries=3, error="bug")
+
+
+def test_a_failing_rollout_call_is_retried_never_scored_and_trains_the_same_weights(tmp_path, clean):
+  """An infrastructure failure during rollouts is not reward 0: the step's failed generate call
+  is retried (rl.retry), the metrics of that step say so, and with seeded sampling the run ends
+  on the clean run's weights exactly."""
+  result, _, _ = _run(tmp_path, fail_calls=(2,), max_retries=3, fail_on="rollout")
+  assert result is not None and math.isfinite(result["heldout_after"])
+  rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "reward/mean" in r]
+  clean_rows = [r for r in read_metrics(clean[3] / "metrics.jsonl") if "reward/mean" in r]
+  assert sum(r["rollout/engine_errors"] for r in rows) == 1
+  assert sum(r["rollout/retries"] for r in rows) >= 1
+  assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in clean_rows]
+  _same_weights(tmp_path, clean[3])

@@ -1,9 +1,21 @@
-"""Shared test helpers (fake_engine), moved out of the test modules that used to import each other."""
+"""Fake engines for tests.
+
+    FakeEngine    an engine object for the actor tests (no model): 1..6 tokens a completion,
+                  chosen calls failing, delays, a gate
+    "fake"        the one registered engine (`rl.engine="fake"` in a run config): the embedded
+                  JAX sampler, with chosen generate calls failing (FakeConfig); importing this
+                  module registers it
+"""
+import dataclasses
 import itertools
 import random
 import threading
 import time
-from posttrain_jax.engines.base import Completion
+
+from posttrain_jax.engines.base import Completion, EngineError
+from posttrain_jax.engines.jax_sampler import JaxSamplerConfig, _build as build_jax
+from posttrain_jax.engines.registry import register_engine
+from posttrain_jax.run.evaluation import SEED as EVAL_SEED
 from posttrain_jax.graders import GradeResult
 from posttrain_jax.tasks import Task
 
@@ -51,3 +63,39 @@ def tasks(n=None, start=0):
   for i in itertools.count(start) if n is None else range(n):
     yield Task(id=f"t{i}", prompt=f"{i}+{i}=", answer=str(2 * i))
 
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeConfig(JaxSamplerConfig):
+  """The "fake" engine: the embedded sampler, and which of its generate calls fail."""
+  fail_calls: tuple = ()     # 1-based numbers, among the calls `fail_on` counts, that fail
+  fail_on: str = "eval"      # eval: held-out eval's calls (they sample with run/evaluation.SEED);
+                             # rollout: every other call; any: all calls
+  error: str = "engine"      # engine: EngineError (infrastructure); bug: ValueError (our code)
+
+
+class Fake:
+  """The sampler `inner`, failing the calls FakeConfig names; `counted` calls so far."""
+
+  def __init__(self, inner, cfg: FakeConfig):
+    if cfg.fail_on not in ("eval", "rollout", "any"):
+      raise ValueError(f"engine_config.fail_on: {cfg.fail_on!r}; valid: eval, rollout, any")
+    self.inner, self.cfg, self.counted = inner, cfg, 0
+
+  def generate(self, prompts, params, n=1, seed=0):
+    is_eval = seed == EVAL_SEED
+    if self.cfg.fail_on == "any" or is_eval == (self.cfg.fail_on == "eval"):
+      self.counted += 1
+      if self.counted in self.cfg.fail_calls:
+        if self.cfg.error == "bug":
+          raise ValueError("a bug in our code")
+        raise EngineError(f"engine down ({self.cfg.fail_on} call {self.counted})")
+    return self.inner.generate(prompts, params, n=n, seed=seed)
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+
+@register_engine("fake", FakeConfig, shareable=False)
+def _build_fake(cfg, ctx):
+  return Fake(build_jax(cfg, ctx), cfg)
