@@ -90,6 +90,7 @@ def _config(args, port: int):
   c.rl.traces.online.update(port=port)
   c.rl.traces.online.proxy.api_keys = tuple((KEYS[t], t) for t in OPS)
   c.rl.traces.online.proxy.workers = 8
+  c.rl.traces.online.proxy.coalesce_ms = args.coalesce_ms
   c.rl.advantage.estimator = "running"
   c.rl.learner.lora.update(rank=args.rank, alpha=2.0 * args.rank, tenants=tuple(OPS))
   c.rl.learner.optimizer.update(learning_rate=args.lr, warmup_steps=5)
@@ -189,8 +190,9 @@ def battery(url: str, cfg, n: int, tag: str) -> dict:
   def one(job):
     tenant, kind, mode, i, task = job
     body = {"model": "posttrain_jax", "messages": task.messages,
-            "max_tokens": cfg.rl.rollout.max_tokens, "seed": i,
-            "temperature": 1.0 if mode == "sampled" else 0.0}
+            "max_tokens": cfg.rl.rollout.max_tokens, "temperature": 1.0 if mode == "sampled" else 0.0}
+    if mode == "sampled":   # greedy needs no seed, and unseeded calls can share a batch
+      body["seed"] = i
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120, headers={
         "Authorization": f"Bearer {KEYS[tenant]}",
         "X-Session-Id": f"eval-{tag}-{tenant}-{kind}-{mode}-{i}"})
@@ -240,6 +242,8 @@ def main():
   p.add_argument("--max_staleness", type=int, default=4,
                  help="sessions sampled more of their tenant's versions ago are not trained")
   p.add_argument("--heldout", type=int, default=64, help="held-out tasks of each kind")
+  p.add_argument("--coalesce_ms", type=float, default=0.0,
+                 help="the proxy's ProxyConfig.coalesce_ms: concurrent unseeded calls batched")
   p.add_argument("--smoke", action="store_true", help="seconds, for CI")
   args = p.parse_args()
   info = run_info(smoke=args.smoke)

@@ -87,9 +87,13 @@ def build_app(proxy: Proxy) -> FastAPI:
   @app.get("/health")
   async def health():
     compiles = getattr(proxy.engine, "compiles", None)   # the embedded sampler's programs
+    batched = [e.coalesce_stats() for e in (proxy.engine, *proxy.engines.values())
+               if hasattr(e, "coalesce_stats")]            # ProxyConfig.coalesce_ms
     return {"status": "ok", "version": proxy.engine.version,
             "backpressure": proxy.gate.counters(),
-            **({} if compiles is None else {"engine_compiles": int(compiles)})}
+            **({} if compiles is None else {"engine_compiles": int(compiles)}),
+            **({"coalesced": {k: sum(b[k] for b in batched) for k in ("requests", "engine_calls")}}
+               if batched else {})}
 
   @app.get("/v1/models")
   async def models(request: Request):

@@ -55,6 +55,7 @@ from posttrain_jax.byoh.store import Choice, Feedback, TraceStore
 from posttrain_jax.byoh.stream_text import StreamText
 from posttrain_jax.byoh.tool_choice import call_prefill
 from posttrain_jax.engines.base import EngineError, PromptTooLongError, capability
+from posttrain_jax.engines.coalesce import Coalescer
 from posttrain_jax.envs.tool_calls import ToolCall, parse_turn
 
 DEFAULT_TENANT = "default"
@@ -104,11 +105,17 @@ class ProxyConfig:
                                         # (rl.traces.max_staleness + 1) * prompts_per_step
   queue_timeout_s: float = 30.0         # "queue": the longest a call waits before its 429
   retry_after_s: float = 1.0            # Retry-After before the learner has timed a step
+  coalesce_ms: float = 0.0              # > 0: concurrent unseeded calls with the same sampling
+                                        # go to the engine as one batch (engines/coalesce.py),
+                                        # the first waiting this long for others; 0 = one call
+                                        # per request
 
   def __post_init__(self):
     if self.backpressure not in BACKPRESSURE:
       raise ValueError(f"ProxyConfig.backpressure is {self.backpressure!r}; valid: "
                        f"{BACKPRESSURE}")
+    if self.coalesce_ms < 0:
+      raise ValueError(f"ProxyConfig.coalesce_ms must be >= 0, got {self.coalesce_ms}")
     if self.max_pending_sessions < -1:
       raise ValueError(f"ProxyConfig.max_pending_sessions must be >= -1, got "
                        f"{self.max_pending_sessions}")
@@ -120,8 +127,11 @@ class Proxy:
   def __init__(self, cfg: ProxyConfig, engine, tokenizer, store: TraceStore,
                stop_token_ids: tuple[int, ...], tool_format: Optional[str],
                engines: Optional[dict] = None):
-    self.cfg, self.engine, self.store, self.tool_format = cfg, engine, store, tool_format
     self.engines = dict(engines or {})   # tenant -> the engine serving its own adapter
+    if cfg.coalesce_ms > 0:
+      engine = Coalescer(engine, cfg.coalesce_ms / 1000)
+      self.engines = {t: Coalescer(e, cfg.coalesce_ms / 1000) for t, e in self.engines.items()}
+    self.cfg, self.engine, self.store, self.tool_format = cfg, engine, store, tool_format
     self.stop_ids = tuple(int(t) for t in stop_token_ids)
     self.builder = PromptBuilder(tokenizer, self.stop_ids)
     self.vocab_size = len(tokenizer)   # prompt token ids must be below it
