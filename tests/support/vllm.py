@@ -177,9 +177,6 @@ def check_run_rode_out_step_3(workdir: pathlib.Path, result, header: str = "") -
   assert np.isfinite(result["heldout_after"])
 
 
-import numpy as np
-
-
 # TINY's sizes as a model.tiny config dict (a run config's fields)
 TINY_FIELDS = {k: getattr(TINY, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
                                              "num_layers", "num_heads", "num_kv_heads", "head_dim")}
