@@ -33,18 +33,28 @@ def procs_with(needle: str) -> list[str]:
   return found
 
 
+def _status(pid) -> dict[str, str]:
+  try:
+    text = pathlib.Path(f"/proc/{pid}/status").read_text()
+  except OSError:
+    return {}
+  return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+
+
 def zombies(uid: int) -> list[str]:
-  """Zombie processes of uid: a reaper that outlived its parent would pile up here."""
+  """Orphaned zombie processes of uid: a reaper that outlived its parent would pile up here.
+  A zombie whose parent is a live process of the same uid is another session's child between
+  its exit and its parent's wait (xdist's other worker runs sandboxes as this uid too)."""
   found = []
   for pid in os.listdir("/proc"):
     if pid.isdigit():
-      try:
-        status = pathlib.Path(f"/proc/{pid}/status").read_text()
-      except OSError:
+      fields = _status(pid)
+      if not fields or fields["State"].split()[0] != "Z" or int(fields["Uid"].split()[0]) != uid:
         continue
-      fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-      if fields["State"].split()[0] == "Z" and int(fields["Uid"].split()[0]) == uid:
-        found.append(f"{pid}: {fields['Name'].strip()}")
+      parent = _status(fields["PPid"].strip())
+      if parent and int(parent["Uid"].split()[0]) == uid:
+        continue
+      found.append(f"{pid}: {fields['Name'].strip()}")
   return found
 
 
