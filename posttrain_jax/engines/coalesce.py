@@ -24,7 +24,6 @@ is the engine's own.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 import time
@@ -36,6 +35,7 @@ from posttrain_jax.engines.base import Completion, SamplingParams
 @dataclasses.dataclass
 class _Group:
   prompts: list = dataclasses.field(default_factory=list)
+  after: Optional["_Group"] = None         # the group of the same key issued before this one
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
   result: Optional[list] = None
   error: Optional[BaseException] = None
@@ -49,8 +49,8 @@ class Coalescer:
       raise ValueError(f"Coalescer: window_s >= 0 and max_batch >= 1, got {window_s}, {max_batch}")
     self.inner, self.window_s, self.max_batch = engine, window_s, max_batch
     self._lock = threading.Lock()
-    self._open: dict = {}                                    # key -> the group still joinable
-    self._running: collections.defaultdict = collections.defaultdict(threading.Lock)
+    self._open: dict = {}    # key -> its group still joinable
+    self._last: dict = {}    # key -> its newest group not yet done (both hold active keys only)
     # generate calls received, calls issued to the engine, the most requests in one of those
     self._counts = {"requests": 0, "engine_calls": 0, "largest": 0}
 
@@ -71,7 +71,8 @@ class Coalescer:
       group = self._open.get(key)
       lead = group is None or len(group.prompts) + len(prompts) > self.max_batch
       if lead:
-        group = self._open[key] = _Group()
+        group = self._open[key] = _Group(after=self._last.get(key))
+        self._last[key] = group
       start = len(group.prompts)
       group.prompts += [list(p) for p in prompts]
     if lead:
@@ -84,17 +85,22 @@ class Coalescer:
 
   def _lead(self, key, group: _Group, sampling: SamplingParams, n: int) -> None:
     try:
-      with self._running[key]:          # the previous group of this key decodes; ours fills
-        if self.window_s:
-          time.sleep(self.window_s)
-        with self._lock:
-          if self._open.get(key) is group:
-            del self._open[key]
-          self._count(len(group.prompts))
-        group.result = self.inner.generate(group.prompts, sampling, n)
+      if group.after is not None:   # the previous group of this key decodes; ours fills
+        group.after.done.wait()
+        group.after = None
+      if self.window_s:
+        time.sleep(self.window_s)
+      with self._lock:
+        if self._open.get(key) is group:
+          del self._open[key]
+        self._count(len(group.prompts))
+      group.result = self.inner.generate(group.prompts, sampling, n)
     except BaseException as e:  # noqa: BLE001 -- handed to every caller of the group
       group.error = e
     finally:
+      with self._lock:
+        if self._last.get(key) is group:
+          del self._last[key]
       group.done.set()
 
   def _alone(self, prompts, sampling, n, seed, counted: bool = False):

@@ -72,3 +72,11 @@ def test_different_sampling_is_never_mixed_and_a_failed_group_fails_only_its_own
   # the failed group was retried alone by each of its callers
   assert inner.calls[(bad,)] == 1
   assert eng.coalesce_stats()["requests"] == 8
+
+
+def test_nothing_is_kept_per_sampling_setting_once_its_calls_are_done():
+  """A harness drawing its own temperature per call must not grow the coalescer's state."""
+  eng = Coalescer(FakeEngine(delay=0.01), window_s=0.01)
+  args = [([[i, i]], SamplingParams(max_tokens=4, temperature=0.1 * i)) for i in range(1, 9)]
+  assert all(isinstance(g, list) for g in _concurrently(lambda p, sp: eng.generate(p, sp), args))
+  assert eng._open == {} and eng._last == {}
