@@ -88,3 +88,20 @@ def _parse_flags(argv: list[str], default: str,
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM has its own logger setting
   return rest
+
+
+DEFAULT_COMPILE_CACHE = "~/.cache/posttrain_jax/xla"
+
+
+def use_compile_cache(path: str) -> None:
+  """Keeps XLA's compiled programs in JAX's persistent compilation cache at `path` ('' = off),
+  so a rerun, a resume after preemption, or another run of the same shapes loads its programs
+  instead of compiling them again (the tiny default run: 78 s cold, 38 s warm on 2 CPU cores).
+  Every program is kept, however fast it compiled: a short run's compiles are many small ones.
+  JAX_COMPILATION_CACHE_DIR, where set, wins (the tests point every process at one cache)."""
+  if not path or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return
+  import jax
+  jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+

@@ -28,7 +28,7 @@ import threading
 from absl import app, flags
 
 from posttrain_jax.errors import UserError
-from posttrain_jax.launch.cli import flags_parser
+from posttrain_jax.launch.cli import DEFAULT_COMPILE_CACHE, flags_parser, use_compile_cache
 
 _DEFAULT = pathlib.Path(__file__).resolve().parent.parent / "configs" / "default.py"
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (overrides config.workdir).")
@@ -37,6 +37,9 @@ _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Find the multi-process job from the cluster (SLURM, a TPU pod slice, "
     "Open MPI): jax.distributed's auto-detection. A job described by JAX_COORDINATOR_ADDRESS, "
     "JAX_NUM_PROCESSES and JAX_PROCESS_ID (launch/local.py) is joined without it.")
+_COMPILE_CACHE = flags.DEFINE_string(
+    "compile_cache", DEFAULT_COMPILE_CACHE, "XLA's compiled programs are kept here and reused "
+    "by the next run of the same shapes (JAX's persistent compilation cache); '' = off.")
 
 
 def _stop_on_signals(preempt: threading.Event) -> None:
@@ -63,6 +66,7 @@ def main(argv):
     # N copies of a one-process run would each train alone and write the same workdir
     raise UserError(f"this process is one of {job[1]} tasks of a {job[0]} job: pass "
                     "--distributed to join them into one training job")
+  use_compile_cache(_COMPILE_CACHE.value)
   if sharding.initialize_distributed(auto_detect=_DISTRIBUTED.value):
     import jax
     print(f"process {jax.process_index()} of {jax.process_count()} "
