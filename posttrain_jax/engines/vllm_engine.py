@@ -45,19 +45,7 @@ CPU); no checkpoint is written to disk. Then the prefix cache is reset: cached K
 were computed with the old weights, and reusing them for the same prompt shifted log-probs
 by up to 10 nats. A version lower than the engine's is refused (version skew).
 
-LoRA (`VLLMEngine(cfg, lora=LoRAConfig)`; the run passes the learner's when
-`adapter_sync`): vLLM starts with `enable_lora` (max_lora_rank: the smallest vLLM allows ≥ r)
-on the start weights, and `update_weights(model with adapters, v)` writes the adapters alone
-in PEFT's format (models/peft_io.py: [r, in] + [out, r] per projection, ~2r(in + out) floats
-instead of in·out) to a directory under `shm_dir`, has vLLM load them (`add_lora`, so a bad
-adapter fails the update, not the next rollout) and serves every later request with that
-adapter. Each update gets a NEW adapter name and id: vLLM caches a loaded adapter by id and
-keys its prefix cache by name (and path), so a reused name or id would serve the old adapter
-or KV computed with it. The base never changes, so the prefix cache is not reset (cached
-blocks of the base and of older adapters are simply never matched again); the previous
-adapter is removed from vLLM and from disk. Weights given as a model without adapters or as
-`(HF name, array)` pairs still replace the base the old way (the adapter is then dropped). A
-restarted core loads the current adapter again from its files.
+LoRA: the learner's adapters alone, as a new vLLM adapter per update (vllm_adapters.py).
 
 Rollouts in flight. `generate()` is synchronous and holds a lock that `update_weights()`
 also takes, so no request is ever in flight across a weight change in this engine: a call
@@ -93,7 +81,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-import shutil
 import signal
 import tempfile
 import threading
@@ -108,6 +95,7 @@ import numpy as np
 from posttrain_jax.engines import vllm_procs, vllm_worker
 from posttrain_jax.engines.base import Completion, EngineError, PromptTooLongError, SamplingParams
 from posttrain_jax.engines.registry import DecoderWeights, EngineContext, register_engine
+from posttrain_jax.engines.vllm_adapters import AdapterFiles
 from posttrain_jax.engines.vllm_inputs import (check_fused_groups, hf_pairs, is_adapted_model,
                                                top_alternatives, vllm_lora_rank, vllm_sampling,
                                                check_model_dir, checkpoint_shapes)
@@ -217,9 +205,8 @@ class VLLMEngine:
     self._pushed = False  # an update since the start: a fresh core no longer serves the version
     self._full_version = version  # the version of the last whole-weights update (or the start)
     self._adapter = None  # LoRA: the vllm LoRARequest every request is served with (None: base)
-    self._adapters: Optional[tuple] = None  # (dir, finalizer) holding the adapters' files
-    self._serial = 0      # adapter ids (> 0), one per update: never reused
-    self._uid = uuid.uuid4().hex[:8]   # in adapter names: unique across engines
+    self._adapters = (None if self.lora is None else
+                      AdapterFiles(cfg.shm_dir, self.lora.alpha, base_model=cfg.model))
     self._dead: Optional[str] = None  # why the current core is unusable (restart before use)
     self._lost: Optional[str] = None  # why the current weights are gone (push them again)
     self.restarts = 0  # cores started again after a death or a hang
@@ -311,30 +298,12 @@ class VLLMEngine:
           reset_s=t3 - t2, seconds=t3 - t0)
 
   def _update_adapter(self, model, version: int) -> None:
-    """LoRA: `model`'s adapters alone, as a new adapter of vLLM (module docstring)."""
-    from vllm.lora.request import LoRARequest
-
-    from posttrain_jax.models import peft_io
+    """LoRA: `model`'s adapters alone, as a new adapter of vLLM (vllm_adapters.py)."""
     t0 = time.perf_counter()
-    tensors = peft_io.peft_tensors(model)
-    config = peft_io.adapter_config(model, alpha=self.lora.alpha,
-                                    base_model_name_or_path=self.cfg.model)
     with self._lock:
       if self._dead is not None:
         self._revive(restore=True)   # the base as it was; this update brings the adapter
-      self._serial += 1
-      path = os.path.join(self._adapter_dir(), f"v{version}-{self._serial}")
-      os.makedirs(path)
-      try:
-        nbytes = peft_io.write_adapter(path, tensors, config)
-      except OSError as e:
-        shutil.rmtree(path, ignore_errors=True)
-        raise EngineError(f"LoRA adapter of version {version}: cannot write {path} ({e}); point "
-                          "VLLMEngineConfig.shm_dir at a writable directory with room") from e
-      count = len(tensors)
-      del tensors
-      request = LoRARequest(lora_name=f"ptj-{self._uid}-v{version}-{self._serial}",
-                            lora_int_id=self._serial, lora_path=path)
+      request, count, nbytes = self._adapters.write(model, version)
       t1 = time.perf_counter()
       try:
         try:
@@ -345,7 +314,7 @@ class VLLMEngine:
           self._revive(restore=True)  # the core died under the load: once more, on a new one
           self._add_adapter(request)
       except BaseException:
-        shutil.rmtree(path, ignore_errors=True)
+        AdapterFiles.remove(request)
         raise
       t2 = time.perf_counter()
       old, self._adapter = self._adapter, request
@@ -369,15 +338,7 @@ class VLLMEngine:
       self._watched("adapter removal", lambda: llm.llm_engine.remove_lora(request.lora_int_id))
     except EngineError:
       pass   # a dead core has forgotten it already
-    shutil.rmtree(request.lora_path, ignore_errors=True)
-
-  def _adapter_dir(self) -> str:
-    """This engine's directory of adapter files (removed at close or exit)."""
-    if self._adapters is None:
-      d = self.cfg.shm_dir if os.path.isdir(self.cfg.shm_dir) else tempfile.gettempdir()
-      path = tempfile.mkdtemp(prefix=f"ptj-lora-{os.getpid()}-", dir=d)
-      self._adapters = (path, weakref.finalize(self, shutil.rmtree, path, True))
-    return self._adapters[0]
+    AdapterFiles.remove(request)
 
   # -- extras --------------------------------------------------------------------------------
 
@@ -402,8 +363,7 @@ class VLLMEngine:
       self._shm[1]()
       self._shm = None
     if getattr(self, "_adapters", None) is not None:
-      self._adapters[1]()
-      self._adapters = None
+      self._adapters.close()
     self._closed = True
     llm, self._llm = getattr(self, "_llm", None), None
     if llm is not None:

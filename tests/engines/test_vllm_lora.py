@@ -67,7 +67,7 @@ def test_adapter_sync_serves_the_merged_models_logprobs(tmp_path_factory):
       print(f"v2 vs our merged model: max |d logp| {d2:.2e}; vs v1 {stale:.2e}")
       assert {c.version for comps in out2 for c in comps} == {2}
       assert d2 <= 1e-4 and stale > 1e-3
-      assert len(os.listdir(engine._adapter_dir())) == 1   # v1's files are gone
+      assert len(os.listdir(engine._adapters.directory())) == 1   # v1's files are gone
 
       # (c) what one sync moves: the adapter's bytes
       adapter_bytes = sum(a.nbytes for _, a in peft_io.peft_tensors(learner.model()))
@@ -84,6 +84,6 @@ def test_adapter_sync_serves_the_merged_models_logprobs(tmp_path_factory):
       d3, _ = _deltas(ref, noised, engine.generate(PROMPTS, SP, n=2, seed=1))
       print(f"whole-weights update on the LoRA engine: max |d logp| {d3:.2e} "
             f"({engine.last_weight_sync.bytes} bytes)")
-      assert d3 <= 1e-3 and os.listdir(engine._adapter_dir()) == []
+      assert d3 <= 1e-3 and os.listdir(engine._adapters.directory()) == []
     finally:
       engine.close()
