@@ -96,7 +96,7 @@ DEFAULT_COMPILE_CACHE = "~/.cache/posttrain_jax/xla"
 def use_compile_cache(path: str) -> None:
   """Keeps XLA's compiled programs in JAX's persistent compilation cache at `path` ('' = off),
   so a rerun, a resume after preemption, or another run of the same shapes loads its programs
-  instead of compiling them again (the tiny default run: 78 s cold, 38 s warm on 2 CPU cores).
+  instead of compiling them again (a short default run: 78 s cold, 38 s warm on 2 busy cores).
   Every program is kept, however fast it compiled: a short run's compiles are many small ones.
   JAX_COMPILATION_CACHE_DIR, where set, wins (the tests point every process at one cache)."""
   if not path or os.environ.get("JAX_COMPILATION_CACHE_DIR"):

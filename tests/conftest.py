@@ -9,6 +9,9 @@ where the caller chose the devices (their own device-count flag, or a GPU/TPU pl
 `PTJ_SLOW_DEADLINE` (Unix seconds; CI's slow stage sets it so the whole CI stays within its budget):
 a test marked `slow` that would start after it is skipped, with the reason saying so, and the
 run ends with a line counting them, so a time-boxed stage never looks like a full one.
+`PTJ_SLOW_ROTATE` (CI sets the commit): test files run in an order drawn from it (the tests of
+a file stay together, in their order), so the files a time box leaves out differ from one
+commit to the next instead of always being the last ones collected.
 
 XLA's compiled programs are kept in JAX's persistent compilation cache, shared by every test
 process and every pytest run on the machine (`PTJ_TEST_JAX_CACHE`, default
@@ -18,6 +21,7 @@ time compiling (stage 0's run, measured here: 78 s cold, 38 s with the cache war
 the program's HLO, the compile options and the jaxlib/XLA version, so a hit is the program a
 compile would have produced. A test that counts XLA compiles counts cache hits with them.
 """
+import hashlib
 import os
 import tempfile
 import time
@@ -46,6 +50,20 @@ jax.config.update("jax_default_matmul_precision", "highest")
 def pytest_configure(config):
   config.addinivalue_line("markers", "devices(n): needs n JAX devices (8 CPU devices by default; "
                                      "fewer fail on CPU and under CI, skip elsewhere)")
+
+
+def pytest_collection_modifyitems(config, items):
+  """PTJ_SLOW_ROTATE (module docstring): whole files in an order drawn from the value; the
+  same on every xdist worker, as xdist requires."""
+  seed = os.environ.get("PTJ_SLOW_ROTATE")
+  if not seed:
+    return
+  rank = {}
+  for item in items:
+    path = item.nodeid.split("::", 1)[0]
+    rank.setdefault(path, hashlib.sha256(f"{seed}:{path}".encode()).hexdigest())
+  order = {id(item): i for i, item in enumerate(items)}
+  items.sort(key=lambda item: (rank[item.nodeid.split("::", 1)[0]], order[id(item)]))
 
 
 _BUDGET_REASON = "not run: the slow stage's time budget (PTJ_SLOW_DEADLINE={}) is spent"
