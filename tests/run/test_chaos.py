@@ -77,11 +77,8 @@ def test_an_async_saves_side_car_is_its_value_at_the_save(tmp_path):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  """The uninterrupted sync run's final weights."""
-  workdir = tmp_path_factory.mktemp("chaos") / "straight"
-  rc, _ = ct.run(workdir)
-  assert rc == 0, _tail(workdir)
-  return ct.weights(workdir)
+  """The uninterrupted sync run's final weights (one run for the session: ct.straight_run)."""
+  return ct.weights(ct.straight_run(tmp_path_factory))
 
 
 def _tail(workdir) -> str:

@@ -71,10 +71,8 @@ def test_preempted_async_run_loses_and_duplicates_no_trajectory(tmp_path, monkey
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("preempt") / "straight"
-  rc, _ = ct.run(workdir)
-  assert rc == 0, _tail(workdir)
-  return ct.weights(workdir)
+  """The uninterrupted sync run's final weights (one run for the session: ct.straight_run)."""
+  return ct.weights(ct.straight_run(tmp_path_factory))
 
 
 def _tail(workdir) -> str:

@@ -169,6 +169,25 @@ def metrics_problems(workdir: pathlib.Path, sft_steps: int = SFT_STEPS,
   return out + ([] if len(before) == 1 else [f"{len(before)} held-out-before rows"])
 
 
+def straight_run(tmp_path_factory) -> pathlib.Path:
+  """The workdir of one uninterrupted SYNC run, made once per pytest session, however many
+  xdist workers ask (test_chaos.py and test_preemption.py both compare against it): the first
+  to take the lock makes it in the directory the workers share, the others wait and read it.
+  A failed run is not cached: its error is raised to every asker."""
+  from filelock import FileLock
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent                 # pytest-N/, above each worker's popen-gwK/
+  workdir = root / "chaos-straight-run"
+  with FileLock(f"{workdir}.lock"):
+    if not (workdir / "final_model").exists():
+      rc, _ = run(workdir)
+      if rc != 0:
+        raise RuntimeError(f"the straight run exited {rc}: "
+                           f"{pathlib.Path(f'{workdir}.err').read_text()[-3000:]}")
+  return workdir
+
+
 def weights(workdir: pathlib.Path) -> dict[str, np.ndarray]:
   ck = Checkpoint(pathlib.Path(workdir) / "final_model")
   return {n: np.array(a) for n, a in ck.items()}
