@@ -81,8 +81,13 @@ def _config(args, port: int):
   else:  # a pretrained model, no warm start; the run's own eval (its first tenant's task) is
     # not the measure here, so it is kept small
     c.tasks.eval_size = 16
-    c.rl.batch.update(rows=max(1, args.sessions_per_step // 2), seq_len=512,
-                      max_seqs=args.sessions_per_step, share_prefix=False)
+    rows = max(1, args.sessions_per_step // 2)
+    c.rl.batch.update(rows=rows, seq_len=512, max_seqs=args.sessions_per_step,
+                      share_prefix=False)
+    # Two rows of 512 tokens a micro-batch: XLA's temporaries of SmolLM2's LoRA step grow with
+    # the rows it holds (13.5 GB at 8 x 512 in one micro-batch, 3.5 GB in 4; measured with
+    # compiled.memory_analysis(), 2026-12-07), and 16 rows at once were OOM-killed at 22 GB.
+    c.rl.learner.micro_batches = rows // 2 if rows % 2 == 0 else rows
   c.sft.steps = args.sft_steps
   c.rl.update(mode="online", steps=args.steps, prompts_per_step=args.sessions_per_step,
               reference_kl=False)
