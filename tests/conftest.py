@@ -17,7 +17,7 @@ XLA's compiled programs are kept in JAX's persistent compilation cache, shared b
 process and every pytest run on the machine (`PTJ_TEST_JAX_CACHE`, default
 `$TMPDIR/ptj-jax-cache-<uid>`; `off` disables it), and by the subprocesses tests start (the
 environment variable): most tests build the same tiny models, and a tiny run spends most of its
-time compiling (stage 0's run, measured here: 78 s cold, 38 s with the cache warm). The key is
+time compiling (a 20 + 4-step default run: 78 s cold, 38 s with the cache warm). The key is
 the program's HLO, the compile options and the jaxlib/XLA version, so a hit is the program a
 compile would have produced. A test that counts XLA compiles counts cache hits with them.
 """

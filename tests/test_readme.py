@@ -23,8 +23,8 @@ def test_readme_train_command_is_the_default_entry_point():
 
 
 def test_ci_runs_readme_command_1_in_a_fresh_venv():
-  """Stage 0 of .ci/run: README command 1 as written (then fewer steps), in a second venv made
-  with `python3 -m venv` and nothing installed but the command's own install (no extras)."""
+  """Stage 0 of .ci/run: README command 1 as written (its own --workdir aside), in a second venv
+  made with `python3 -m venv` and nothing installed but the command's own install (no extras)."""
   readme = (ROOT / "README.md").read_text()
   command_1 = re.findall(r"```bash\n(.*?)\n```", readme, re.S)[0].strip()
   install = command_1.split(" && ")[0]

@@ -1,7 +1,7 @@
 """README command 1, end to end: the default run learns.
 
-CI's stage 0 runs the command as written in a fresh venv (.ci/run) and hands its output to this
-test through PTJ_DEFAULT_RUN_DONE (a directory holding the run's `run/` workdir and its
+CI's stage 0 runs the command as written in a fresh venv (.ci/run) and stage 1 hands its output
+to this test through PTJ_DEFAULT_RUN_DONE (a directory holding the run's `run/` workdir and its
 `stdout`), so the ~2-minute run is not made twice; anywhere else the test makes the run itself."""
 import json
 import os
