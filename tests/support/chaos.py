@@ -14,6 +14,7 @@ import collections
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -181,6 +182,10 @@ def straight_run(tmp_path_factory) -> pathlib.Path:
   workdir = root / "chaos-straight-run"
   with FileLock(f"{workdir}.lock"):
     if not (workdir / "final_model").exists():
+      # an earlier asker's failed run left these: start straight, never resume it
+      shutil.rmtree(workdir, ignore_errors=True)
+      for log in (f"{workdir}.out", f"{workdir}.err"):
+        pathlib.Path(log).unlink(missing_ok=True)
       rc, _ = run(workdir)
       if rc != 0:
         raise RuntimeError(f"the straight run exited {rc}: "
