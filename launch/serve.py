@@ -28,7 +28,7 @@ def build_proxy(cfg):
   from flax import nnx
 
   model_dir = pathlib.Path(cfg.model_path) if cfg.model_path else build_tiny_model(cfg.tiny)
-  tokenizer = hf_io.load_tokenizer(model_dir)
+  tokenizer = hf_io.load_tokenizer(model_dir, cfg.chat_template, field="config.chat_template")
   model_cfg = hf_io.read_model_config(model_dir)
   eos = model_cfg.eos_token_id
   stops = tuple(eos) if isinstance(eos, tuple) else ((eos,) if eos is not None else ())

@@ -39,6 +39,8 @@ class ModelSource:
   param_dtype: str = "float32"    # master weights
   compute_dtype: str = "float32"  # activations / matmuls
   remat: bool = False             # recompute block activations in the backward pass
+  chat_template: Optional[str] = None  # replaces the checkpoint's template: a chat format
+                                  # (models/chat_templates.py, e.g. "hermes": tools) or a file
   arch: Optional[str] = None      # a published architecture (models/published.py) this run is
                                   # sized for; then `path` is required (nothing is downloaded),
                                   # and launch/aot_check.py checks memory from it without weights

@@ -18,6 +18,8 @@ class ServeConfig:
   tiny: TinyModelConfig = TinyModelConfig(chat_format="hermes")  # built locally, with tools
   engine: str = "jax"                   # a registered engine (engines/registry.py)
   engine_config: Optional[Any] = None   # its config (None = its defaults)
+  chat_template: Optional[str] = None   # replaces the model's template: a chat format
+                                        # (models/chat_templates.py) or a Jinja file
   tool_format: str = "auto"             # tool-call parser (envs/tool_calls.py); "auto" = the
                                         # chat template's ("hermes" / "llama3_json" / none)
   max_prompt_tokens: int = 1024         # the longest prompt the engine is built for

@@ -149,3 +149,19 @@ for _fmt in (
                "<|end_of_text|>", "llama3_json"),
 ):
   CHAT_FORMATS.register(_fmt.name)(_fmt)
+
+
+def template_override(spec: str, field: str = "model.chat_template") -> str:
+  """The Jinja text `spec` names: a registered chat format ("hermes", "llama3", ...) or a file
+  holding a template. Serving a checkpoint whose own template drops `tools` (SmolLM2's does)
+  under a tool-calling format is vLLM's `--chat-template` and `--tool-call-parser`: the proxy
+  detects the parser from the template it renders with."""
+  import pathlib
+  if spec in CHAT_FORMATS:
+    return CHAT_FORMATS.get(spec).template
+  path = pathlib.Path(spec).expanduser()
+  if path.is_file():
+    return path.read_text()
+  raise ValueError(f"{field}={spec!r} is neither a chat format ({', '.join(CHAT_FORMATS.names())}) "
+                   "nor a template file")
+

@@ -213,7 +213,8 @@ def _naming(fname: str):
 
 
 def _write_export(tensors: Iterator[tuple[str, np.ndarray]], plan: list[list[str]], nbytes: int,
-                  cfg, out_dir: pathlib.Path, tokenizer_dir: Optional[os.PathLike]) -> None:
+                  cfg, out_dir: pathlib.Path, tokenizer_dir: Optional[os.PathLike],
+                  chat_template: Optional[str] = None) -> None:
   """Writes the directory from `tensors`, each safetensors file as soon as its last tensor
   arrives (host memory: one file's tensors), all under a temporary name renamed at the end.
   A full or read-only disk: `DiskWriteError` naming the file, the `nbytes` to write and the
@@ -239,11 +240,15 @@ def _write_export(tensors: Iterator[tuple[str, np.ndarray]], plan: list[list[str
         src = pathlib.Path(tokenizer_dir) / fname
         if src.exists():
           shutil.copy2(src, tmp / fname)
+    if chat_template is not None:   # transformers reads it before tokenizer_config.json's
+      (tmp / "chat_template.jinja").write_text(chat_template)
 
 
 def save_hf_model(model: Decoder, out_dir: os.PathLike, *, tokenizer_dir: Optional[os.PathLike] = None,
-                  dtype: Optional[str] = None, max_shard_bytes: int = 2 << 30) -> pathlib.Path:
-  """Exports to a HF directory (config.json, safetensors shards, tokenizer files).
+                  dtype: Optional[str] = None, max_shard_bytes: int = 2 << 30,
+                  chat_template: Optional[str] = None) -> pathlib.Path:
+  """Exports to a HF directory (config.json, safetensors shards, tokenizer files; a
+  `chat_template` given, the run's `model.chat_template`, is written as chat_template.jinja).
 
   The directory appears atomically: written next to `out_dir` and renamed into place, so a
   crash never leaves a half-written checkpoint. Process 0 holds one safetensors file's
@@ -260,13 +265,13 @@ def save_hf_model(model: Decoder, out_dir: os.PathLike, *, tokenizer_dir: Option
   plan, nbytes = _shard_plan(model, dtype, max_shard_bytes)
   tensors = hf_tensors(model, dtype)
   if jax.process_count() == 1:
-    _write_export(tensors, plan, nbytes, cfg, out_dir, tokenizer_dir)
+    _write_export(tensors, plan, nbytes, cfg, out_dir, tokenizer_dir, chat_template)
     return out_dir
   from jax.experimental import multihost_utils
   error = None
   if jax.process_index() == 0:
     try:
-      _write_export(tensors, plan, nbytes, cfg, out_dir, tokenizer_dir)
+      _write_export(tensors, plan, nbytes, cfg, out_dir, tokenizer_dir, chat_template)
     except Exception as e:  # re-raised below, once the others are released
       error = e
   for _ in tensors:  # the others' gathers (and process 0's, after a failed write) need everyone
@@ -280,15 +285,27 @@ def save_hf_model(model: Decoder, out_dir: os.PathLike, *, tokenizer_dir: Option
   return out_dir
 
 
-def load_tokenizer(path: os.PathLike):
+def load_tokenizer(path: os.PathLike, chat_template: Optional[str] = None,
+                   field: str = "model.chat_template"):
   """The tokenizer (with its chat template) stored beside the weights, via transformers; `path`
-  may be a `.gguf` file (models/gguf_io.py converts it once)."""
+  may be a `.gguf` file (models/gguf_io.py converts it once). `chat_template` replaces the
+  stored template: a chat format's name or a Jinja file (chat_templates.template_override)."""
   from transformers import AutoTokenizer
+  from posttrain_jax.models.chat_templates import template_override
+  template = None
+  if chat_template:
+    try:
+      template = template_override(chat_template, field)
+    except ValueError as e:
+      raise UserError(str(e)) from None
   path = resolve_model_path(path)
   _check_model_dir(path)
   if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
     raise PathNotFoundError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
-  return AutoTokenizer.from_pretrained(str(path))
+  tokenizer = AutoTokenizer.from_pretrained(str(path))
+  if template is not None:
+    tokenizer.chat_template = template
+  return tokenizer
 
 
 __all__ = ["read_model_config", "load_hf_model", "save_hf_model", "hf_tensors", "hf_name",

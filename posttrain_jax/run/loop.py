@@ -195,7 +195,8 @@ class Trainer:
     return cfg.steps
 
   def _export_sft(self, learner: Learner) -> None:
-    hf_io.save_hf_model(learner.model(), self.sft_dir, tokenizer_dir=self.parts.model_dir)
+    hf_io.save_hf_model(learner.model(), self.sft_dir, tokenizer_dir=self.parts.model_dir,
+                        chat_template=self.parts.chat_template)
 
   def _ensure_sft_model(self) -> None:
     """At the boundary: re-export sft_model/ from the step-`sft.steps` checkpoint if missing."""
@@ -276,7 +277,7 @@ class Trainer:
       self.final_eval = self._timed_eval(engine, learner, self.end_step - sft_steps)
       writer.write(self.end_step, dict(self.final_eval))
     hf_io.save_hf_model(learner.shared_model(), self.workdir / "final_model",
-                        tokenizer_dir=parts.model_dir)
+                        tokenizer_dir=parts.model_dir, chat_template=parts.chat_template)
     lora = cfg.learner.lora
     for tenant in (learner.tenants or ("",)) if lora.enabled else ():
       if tenant:   # per tenant: final_adapter/<tenant>/

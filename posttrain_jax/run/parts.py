@@ -43,7 +43,9 @@ class Parts:
     self.cfg, self.log = cfg, log
     self.model_dir = (resolve_model_path(cfg.model.path) if cfg.model.path
                       else build_tiny_model(cfg.model.tiny))
-    self.tokenizer = hf_io.load_tokenizer(self.model_dir)
+    self.tokenizer = hf_io.load_tokenizer(self.model_dir, cfg.model.chat_template)
+    # the template the run renders with, when it replaces the checkpoint's: exported with it
+    self.chat_template = self.tokenizer.chat_template if cfg.model.chat_template else None
     self.model_cfg = hf_io.read_model_config(self.model_dir)
     eos = self.model_cfg.eos_token_id
     stop = tuple(eos) if isinstance(eos, tuple) else ((eos,) if eos is not None else ())
@@ -63,6 +65,11 @@ class Parts:
     self.limits = self.episode_spec.limits(
         self.episode_cfg, cfg.rl.rollout, cfg.eval.max_tokens,
         lambda: max([len(encode_prompt(self.tokenizer, t)) for t in self.held_out[:64]] + [64]))
+    if cfg.rl.mode == "online":   # a harness's prompts are its own (tools, history), not the
+      # bank's: serve any prompt a batch row can still train, within the model's context
+      row = min(cfg.rl.batch.seq_len, self.model_cfg.max_position_embeddings)
+      self.limits = dataclasses.replace(
+          self.limits, max_prompt=max(self.limits.max_prompt, row - self.limits.max_tokens))
     self.needs = required(get_loss(cfg.rl.learner.loss), self.loss_cfg,
                           report_kl=cfg.rl.reference_kl)
     if cfg.rl.steps and self.engine_spec.check is not None:   # fails now, not after SFT

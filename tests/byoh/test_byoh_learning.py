@@ -163,3 +163,16 @@ def test_online_mode_serves_trains_and_swaps_weights_without_a_failed_call(tmp_p
           if "traces/sessions" in r}
   assert [rows[s]["traces/sessions"] for s in sorted(rows)] == [2, 2, 2, 2]
 
+
+
+def test_online_mode_serves_any_prompt_a_batch_row_can_train(tmp_path):
+  """A harness's prompts are its own (a tool schema, worked examples, history), not the task
+  bank's: online, the engine takes prompts up to a batch row less the answer's tokens (not the
+  bank's longest held-out prompt, which a tool-using agent outgrew: a 400 on every call)."""
+  from posttrain_jax.run.parts import Parts
+  rl = {**RL, "steps": 1, "prompts_per_step": 4, "batch": {**RL["batch"], "seq_len": 256}}
+  offline = Parts(_config(tmp_path, tmp_path / "a.db", rl=rl), print)
+  online = Parts(_config(tmp_path, tmp_path / "b.db", rl={**rl, "mode": "online"}), print)
+  assert offline.limits.max_prompt == 64          # the bank's prompts are short: the floor
+  assert online.limits.max_prompt == 256 - online.limits.max_tokens
+  assert online.limits.max_tokens == offline.limits.max_tokens
