@@ -8,16 +8,21 @@ package (pip install reasoning-gym), scored by each dataset's own `score_answer`
 `system_prompt`, the name of one of reasoning-gym's own SYSTEM_PROMPTS ("default": think step
 by step, then the answer in `<answer>...</answer>`; None or "" for no system turn), and
 `shots` (default 0): that many worked examples before the question, each a user turn with a
-row of the same dataset (seed `cfg.seed + SHOT_SEED`, never a held-out question) and an
+row of the same dataset (seed `base + SHOT_SEED`, never a held-out question) and an
 assistant turn `<answer>{its answer}</answer>`. A small model that never writes the tag when
 told to (SmolLM2-135M-Instruct: none of its replies) copies it from two examples.
 
 Split by seed. The held-out tasks are rows 0..n-1 of the dataset made with seed
-`cfg.seed + EVAL_SEED` (n = eval_size, default 256). The training tasks are the rows of the
-dataset made with seed `cfg.seed`, `synthetic_size` of them (default 100,000); a training row
+`base + EVAL_SEED` (n = eval_size, default 256). The training tasks are the rows of the
+dataset made with seed `base`, `synthetic_size` of them (default 100,000); a training row
 whose question is also a held-out question is replaced by the row `size` further on (and so
 on), so no held-out question is ever trained on. A dataset whose problem space is too small
 for that is an error naming it.
+
+`base` is `cfg.seed * SEED_STRIDE`, not `cfg.seed`: reasoning-gym draws row `i` of a dataset of
+seed `s` from `Random(s + i)`, so the datasets of seeds 0 and 3 share all rows but three (the
+held-out sets of `tasks.seed=0` and `=3` were 253 of 256 the same). Seeds a stride apart share
+none of the rows any split reads (training rows go up to `size * 64`).
 
 Grader: reasoning-gym's `extract_answer` takes the last `<answer>` tag of the completion; no
 tag scores 0 with `parse_ok=False` and the reason. Otherwise the reward is the dataset's
@@ -36,6 +41,7 @@ from posttrain_jax.tasks.bank import TaskBankConfig, TaskBankError, register_tas
 from posttrain_jax.tasks.task import Task
 
 EVAL_SEED = 1_000_003       # held-out seed offset
+SEED_STRIDE = 10_000_019    # between task seeds: > every offset a split reads (module docstring)
 SHOT_SEED = 2_000_003       # worked examples' seed offset
 DEFAULT_SIZE = 100_000      # training rows when synthetic_size is None
 _TRIES = 64                 # rows tried per training index before the problem space is too small
@@ -133,14 +139,19 @@ class ReasoningGymSource:
     return f"ReasoningGymSource({self.name!r}, seed={self.seed}, rows={self.size})"
 
 
+def _base(cfg: TaskBankConfig) -> int:
+  """The reasoning-gym seed of `cfg.seed`'s training rows (module docstring: SEED_STRIDE)."""
+  return cfg.seed * SEED_STRIDE
+
+
 def _held_out(cfg: TaskBankConfig, n: int) -> tuple[frozenset[str], tuple]:
   """The held-out questions and the worked examples (message pairs) every prompt starts with."""
-  held = ReasoningGymSource(cfg, seed=cfg.seed + EVAL_SEED, size=n)
+  held = ReasoningGymSource(cfg, seed=_base(cfg) + EVAL_SEED, size=n)
   questions = frozenset(held.ds[i]["question"] for i in range(n))
   shots = _options(cfg)[1]
   if not shots:
     return questions, ()
-  pool = ReasoningGymSource(cfg, seed=cfg.seed + SHOT_SEED, size=shots, avoid=questions)
+  pool = ReasoningGymSource(cfg, seed=_base(cfg) + SHOT_SEED, size=shots, avoid=questions)
   examples = []
   for i in range(shots):
     task = pool[i]
@@ -151,7 +162,7 @@ def _held_out(cfg: TaskBankConfig, n: int) -> tuple[frozenset[str], tuple]:
 
 def _eval_tasks(cfg: TaskBankConfig, n: int) -> list[Task]:
   _, examples = _held_out(cfg, n)
-  src = ReasoningGymSource(cfg, seed=cfg.seed + EVAL_SEED, size=n, examples=examples)
+  src = ReasoningGymSource(cfg, seed=_base(cfg) + EVAL_SEED, size=n, examples=examples)
   return [src[i] for i in range(n)]
 
 
@@ -160,7 +171,7 @@ def _open(cfg: TaskBankConfig, path: Optional[str] = None,
           eval_fraction: float = 0.0) -> ReasoningGymSource:
   del path, eval_fraction
   avoid, examples = _held_out(cfg, 256 if cfg.eval_size is None else cfg.eval_size)
-  return ReasoningGymSource(cfg, seed=cfg.seed, size=cfg.synthetic_size or DEFAULT_SIZE,
+  return ReasoningGymSource(cfg, seed=_base(cfg), size=cfg.synthetic_size or DEFAULT_SIZE,
                             avoid=avoid, examples=examples)
 
 

@@ -11,7 +11,7 @@ rg = pytest.importorskip("reasoning_gym")
 from posttrain_jax.errors import UserError  # noqa: E402
 from posttrain_jax.graders import grade  # noqa: E402
 from posttrain_jax.tasks.bank import TaskBank, TaskBankConfig  # noqa: E402
-from posttrain_jax.tasks.reasoning_gym_suite import EVAL_SEED  # noqa: E402
+from posttrain_jax.tasks.reasoning_gym_suite import EVAL_SEED, SEED_STRIDE  # noqa: E402
 
 DATASETS = ["basic_arithmetic", "chain_sum", "spell_backward", "letter_counting",
             "number_sorting", "gcd"]
@@ -25,7 +25,7 @@ def _bank(name, **kw):
 def test_tasks_are_the_packages_rows_and_its_own_answers_score_1(name):
   bank = _bank(name, eval_size=8, seed=3)
   held = bank.eval_tasks()
-  own = rg.create_dataset(name, seed=3 + EVAL_SEED, size=8 * 64)
+  own = rg.create_dataset(name, seed=3 * SEED_STRIDE + EVAL_SEED, size=8 * 64)
   for i, task in enumerate(held):
     entry = own[i]
     assert task.messages[-1] == {"role": "user", "content": entry["question"]}
@@ -64,7 +64,7 @@ def test_dataset_options_reach_the_package_and_the_split_is_by_seed():
   b = _bank("chain_sum", seed=2, dataset_config=opts)
   ta, tb = a.train_source[0], b.train_source[0]
   assert ta.messages[-1]["content"] != tb.messages[-1]["content"]
-  assert ta.metadata["reasoning_gym"]["seed"] == 1
+  assert ta.metadata["reasoning_gym"]["seed"] == 1 * SEED_STRIDE   # the package's seed
   assert a.fingerprint != b.fingerprint != _bank("chain_sum", seed=2).fingerprint
 
 
@@ -100,3 +100,25 @@ def test_worked_examples_come_first_and_are_never_held_out():
     assert q["content"] not in {t.messages[-1]["content"] for t in held}
   with pytest.raises(UserError, match="shots'\\] must be an int >= 0"):
     _bank("gcd", dataset_config={"shots": -1})
+
+
+def test_task_seeds_a_step_apart_share_no_rows():
+  """reasoning-gym draws row i of seed s from Random(s + i): made with seeds 0 and 3 directly,
+  the package's own rows overlap (the held-out sets of tasks.seed=0 and =3 once did, 253 of
+  256); ours, a stride apart, share no held-out, training or worked-example question."""
+  own = [[rg.create_dataset("gcd", seed=s + EVAL_SEED, size=64)[i]["question"]
+          for i in range(64)] for s in (0, 3)]
+  assert len(set(own[0]) & set(own[1])) == 61            # what the package gives
+  def questions(seed):
+    bank = _bank("gcd", eval_size=64, seed=seed, dataset_config={"shots": 2})
+    held = bank.eval_tasks()
+    it = bank.iterator()
+    train = {next(it).messages[-1]["content"] for _ in range(256)}
+    shots = {m["content"] for m in held[0].messages[:-1] if m["role"] == "user"}
+    return {t.messages[-1]["content"] for t in held}, train, shots
+  a, b = questions(0), questions(3)
+  assert len(a[0]) == len(b[0]) == 64
+  for x in a:
+    for y in b:
+      assert not x & y
+  assert a[0] == set(own[0])   # seed 0 is the package's seed 0: its figures stay comparable
