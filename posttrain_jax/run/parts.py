@@ -65,7 +65,7 @@ class Parts:
     self.limits = self.episode_spec.limits(
         self.episode_cfg, cfg.rl.rollout, cfg.eval.max_tokens,
         lambda: max([len(encode_prompt(self.tokenizer, t)) for t in self.held_out[:64]] + [64]))
-    if cfg.rl.mode == "online":   # a harness's prompts are its own (tools, history), not the
+    if self.source_spec.serves:   # a harness's prompts are its own (tools, history), not the
       # bank's: serve any prompt a batch row can still train, within the model's context
       row = min(cfg.rl.batch.seq_len, self.model_cfg.max_position_embeddings)
       self.limits = dataclasses.replace(

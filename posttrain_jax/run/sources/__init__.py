@@ -61,6 +61,7 @@ class SourceSpec:
   multi_process: bool = True
   lockstep: bool = True
   tenants: bool = False
+  serves: bool = False            # it serves a harness (the proxy): prompts are the harness's own
   check: Optional[Callable[[Any], None]] = None
   draws_per_step: Callable[[Any, int], int] = lambda rl, prompts: prompts
 

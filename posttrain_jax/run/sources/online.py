@@ -38,7 +38,7 @@ def check_online(cfg) -> None:
 
 
 @register_source("online", groups=False, off_policy=True, multi_process=False, tenants=True,
-                 check=check_online, draws_per_step=lambda rl, prompts: 0)
+                 serves=True, check=check_online, draws_per_step=lambda rl, prompts: 0)
 def build_online(ctx: SourceContext) -> TraceRollouts:
   traces = ctx.cfg.rl.traces
   log_correction(ctx)
