@@ -43,9 +43,7 @@ import importlib.util
 import math
 import operator
 import pathlib
-import shutil
 import sys
-import tempfile
 import threading
 import time
 
@@ -57,7 +55,7 @@ if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
 from benchmarks._meta import run_info, write_result  # noqa: E402
-from benchmarks.byoh_online import _free_port  # noqa: E402
+from benchmarks.byoh_online import _free_port, fresh_workdir, wait_serving  # noqa: E402
 from benchmarks.tenants_online import EvalAtClose  # noqa: E402
 
 TASK = "gcd"
@@ -279,11 +277,7 @@ def main():
   info = run_info(smoke=args.smoke)
   if args.smoke:
     args.steps, args.sessions_per_step, args.clients, args.heldout = 2, 2, 1, 4
-  if args.workdir is None:
-    args.workdir = (pathlib.Path(tempfile.mkdtemp(prefix="agents_online_smoke_")) if args.smoke
-                    else pathlib.Path("runs/agents_online"))
-  if args.workdir.exists():
-    shutil.rmtree(args.workdir)
+  fresh_workdir(args, "agents_online")
   port = _free_port()
   url = f"http://127.0.0.1:{port}"
   cfg = smollm2_config(args, port)
@@ -298,12 +292,7 @@ def main():
   trainer = Trainer(cfg, log=print, wrap_source=lambda s: EvalAtClose(s, after))
 
   def side():
-    while True:
-      try:
-        httpx.get(url + "/health", timeout=1)
-        break
-      except httpx.HTTPError:
-        time.sleep(0.2)
+    wait_serving(url)
     scores["before"] = harness.battery("before")
     print(f"held-out before: {scores['before']}", flush=True)
     harness.run()

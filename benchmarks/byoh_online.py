@@ -50,6 +50,27 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def fresh_workdir(args, name: str) -> pathlib.Path:
+  """`args.workdir` emptied, or runs/<name> (--smoke: a new temporary directory)."""
+  if args.workdir is None:
+    args.workdir = (pathlib.Path(tempfile.mkdtemp(prefix=f"{name}_smoke_")) if args.smoke
+                    else pathlib.Path("runs") / name)
+  if args.workdir.exists():
+    shutil.rmtree(args.workdir)
+  return args.workdir
+
+
+def wait_serving(url: str, stop: threading.Event | None = None) -> bool:
+  """Polls `url`/health until the online proxy answers (False: `stop` was set first)."""
+  while stop is None or not stop.is_set():
+    try:
+      httpx.get(url + "/health", timeout=1)
+      return True
+    except httpx.HTTPError:
+      time.sleep(0.2)
+  return False
+
+
 def _config(args, port: int):
   spec = importlib.util.spec_from_file_location("default_config", ROOT / "configs" / "default.py")
   mod = importlib.util.module_from_spec(spec)
@@ -149,11 +170,7 @@ def main():
   info = run_info(smoke=args.smoke)
   if args.smoke:
     args.sft_steps, args.steps, args.sessions_per_step, args.clients = 2, 2, 2, 1
-  if args.workdir is None:
-    args.workdir = (pathlib.Path(tempfile.mkdtemp(prefix="byoh_online_smoke_")) if args.smoke
-                    else pathlib.Path("runs/byoh_online"))
-  if args.workdir.exists():
-    shutil.rmtree(args.workdir)
+  fresh_workdir(args, "byoh_online")
   port = _free_port()
   cfg = _config(args, port)
   from posttrain_jax.run import Trainer
@@ -161,13 +178,8 @@ def main():
   harness = Harness(f"http://127.0.0.1:{port}", cfg, args.clients)
 
   def start_when_serving():
-    while not harness.stop.is_set():
-      try:
-        httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
-        break
-      except httpx.HTTPError:
-        time.sleep(0.2)
-    harness.run()
+    if wait_serving(f"http://127.0.0.1:{port}", harness.stop):
+      harness.run()
   side = threading.Thread(target=start_when_serving, daemon=True)
   side.start()
   t0 = time.time()

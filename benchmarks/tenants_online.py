@@ -35,9 +35,7 @@ import concurrent.futures
 import dataclasses
 import importlib.util
 import pathlib
-import shutil
 import sys
-import tempfile
 import threading
 import time
 
@@ -49,7 +47,7 @@ if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
 from benchmarks._meta import run_info, write_result  # noqa: E402
-from benchmarks.byoh_online import _free_port  # noqa: E402
+from benchmarks.byoh_online import _free_port, fresh_workdir, wait_serving  # noqa: E402
 
 # --model: its config file and its two tenants, each with its own task (a kind of task).
 MODELS = {
@@ -262,11 +260,7 @@ def main():
   if args.smoke:
     args.sft_steps = min(args.sft_steps, 2)
     args.steps, args.sessions_per_step, args.clients, args.heldout = 2, 2, 1, 4
-  if args.workdir is None:
-    args.workdir = (pathlib.Path(tempfile.mkdtemp(prefix="tenants_online_smoke_")) if args.smoke
-                    else pathlib.Path("runs/tenants_online"))
-  if args.workdir.exists():
-    shutil.rmtree(args.workdir)
+  fresh_workdir(args, "tenants_online")
   port = _free_port()
   url = f"http://127.0.0.1:{port}"
   cfg = _config(args, port)
@@ -283,12 +277,7 @@ def main():
   peers: dict = {}
 
   def side():
-    while True:
-      try:
-        httpx.get(url + "/health", timeout=1)
-        break
-      except httpx.HTTPError:
-        time.sleep(0.2)
+    wait_serving(url)
     scores["before"] = battery(url, cfg, args.heldout, "before", args.modes)
     threads = [threading.Thread(target=h.run, args=(peers,), daemon=True)
                for h in tenants.values()]
