@@ -23,7 +23,9 @@ them.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
+from posttrain_jax.errors import UserError
 from posttrain_jax.registry import Registry
 
 _CHATML = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -155,13 +157,12 @@ def template_override(spec: str, field: str = "model.chat_template") -> str:
   """The Jinja text `spec` names: a registered chat format ("hermes", "llama3", ...) or a file
   holding a template. Serving a checkpoint whose own template drops `tools` (SmolLM2's does)
   under a tool-calling format is vLLM's `--chat-template` and `--tool-call-parser`: the proxy
-  detects the parser from the template it renders with."""
-  import pathlib
+  detects the parser from the template it renders with. Anything else: one UserError naming
+  `field`."""
   if spec in CHAT_FORMATS:
     return CHAT_FORMATS.get(spec).template
   path = pathlib.Path(spec).expanduser()
   if path.is_file():
     return path.read_text()
-  raise ValueError(f"{field}={spec!r} is neither a chat format ({', '.join(CHAT_FORMATS.names())}) "
+  raise UserError(f"{field}={spec!r} is neither a chat format ({', '.join(CHAT_FORMATS.names())}) "
                    "nor a template file")
-

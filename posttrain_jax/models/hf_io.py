@@ -292,12 +292,7 @@ def load_tokenizer(path: os.PathLike, chat_template: Optional[str] = None,
   stored template: a chat format's name or a Jinja file (chat_templates.template_override)."""
   from transformers import AutoTokenizer
   from posttrain_jax.models.chat_templates import template_override
-  template = None
-  if chat_template:
-    try:
-      template = template_override(chat_template, field)
-    except ValueError as e:
-      raise UserError(str(e)) from None
+  template = template_override(chat_template, field) if chat_template else None
   path = resolve_model_path(path)
   _check_model_dir(path)
   if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
