@@ -88,23 +88,29 @@ def test_a_killed_server_is_taken_out_and_its_prompts_are_errors(fleet):
   result = {}
 
   # The victim is stopped (SIGSTOP, its process group) before the call, so the prompts routed
-  # to it wait there and are certainly in flight when it is killed. Racing a running server
-  # (kill once both hold requests) failed on CI: the survivor finished all 32 completions before
-  # the victim showed any load (a health probe may take a busy server out first).
+  # to it wait there and are certainly in flight when it is killed. The kill waits until the
+  # victim holds requests and the survivor has taken its share of this call, not until both hold
+  # requests at one instant: on CI (2026-12-07) the poll never saw that instant in 120 s although
+  # both took 4 prompts (the survivor had finished its 16 completions; cause not established).
   def long_generate():
     try:
       result["out"] = engine.generate(PROMPTS * 2, SamplingParams(max_tokens=LONG), n=4, seed=3)
     except BaseException as e:  # reported by the assertion below, not lost in the thread
       result["error"] = e
 
+  def routed():   # the victim holds requests, the survivor has had its share of this call
+    survivor, stopped = engine.servers()
+    return stopped["load"] > 0 and survivor["requests"] > before[0]
+
+  before = _requests(engine)
   first = victim.proc.pid
   os.killpg(first, signal.SIGSTOP)
   t = threading.Thread(target=long_generate)
   t.start()
   t0 = time.monotonic()
-  while not all(s["load"] for s in engine.servers()):
+  while not routed():
     assert t.is_alive() and time.monotonic() < t0 + 120, (
-        f"both servers never held requests at once: {engine.servers()} {result}")
+        f"the call was not routed to both servers: {engine.servers()} {result}")
     time.sleep(0.005)
   at = time.monotonic() - t0
   os.killpg(first, signal.SIGKILL)
