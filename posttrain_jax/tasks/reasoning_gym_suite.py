@@ -10,7 +10,12 @@ by step, then the answer in `<answer>...</answer>`; None or "" for no system tur
 `shots` (default 0): that many worked examples before the question, each a user turn with a
 row of the same dataset (seed `base + SHOT_SEED`, never a held-out question) and an
 assistant turn `<answer>{its answer}</answer>`. A small model that never writes the tag when
-told to (SmolLM2-135M-Instruct: none of its replies) copies it from two examples.
+told to (SmolLM2-135M-Instruct: none of its replies) copies it from two examples. With
+`shot_pool` = P > 0 (default 0: one set of examples for every prompt) each task draws its
+`shots` examples from P rows, by a generator seeded with its split's seed and row: the same
+task always gets the same examples, and a held-out score is an average over many example sets
+rather than one. Why: trained on gcd with one fixed pair, SmolLM2's held-out score rose
+10.5 points with two other pairs in the prompt and 0 with its own (benchmarks/README.md).
 
 Split by seed. The held-out tasks are rows 0..n-1 of the dataset made with seed
 `base + EVAL_SEED` (n = eval_size, default 256). The training tasks are the rows of the
@@ -34,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import random
 from typing import Any, Optional
 
 from posttrain_jax.graders import GradeResult, GraderError, register_grader
@@ -65,16 +71,21 @@ def _split_name(cfg: TaskBankConfig) -> str:
   return name
 
 
-def _options(cfg: TaskBankConfig) -> tuple[Optional[str], int, dict]:
+def _options(cfg: TaskBankConfig) -> tuple[Optional[str], int, int, dict]:
+  """(system prompt name, shots, shot_pool, the dataset's own options)."""
   if not isinstance(cfg.dataset_config or {}, dict):
     raise TaskBankError(f"TaskBankConfig.dataset_config must be a dict for reasoning_gym, got "
                         f"{type(cfg.dataset_config).__name__}")
   opts = dict(cfg.dataset_config or {})
-  shots = opts.pop("shots", 0)
-  if not isinstance(shots, int) or shots < 0:
-    raise TaskBankError(f"TaskBankConfig.dataset_config['shots'] must be an int >= 0, got "
-                        f"{shots!r}")
-  return opts.pop("system_prompt", "default"), shots, opts
+  shots, pool = opts.pop("shots", 0), opts.pop("shot_pool", 0)
+  for key, v in (("shots", shots), ("shot_pool", pool)):
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+      raise TaskBankError(f"TaskBankConfig.dataset_config[{key!r}] must be an int >= 0, got "
+                          f"{v!r}")
+  if 0 < pool < shots:
+    raise TaskBankError(f"TaskBankConfig.dataset_config['shot_pool'] = {pool} is fewer rows "
+                        f"than the {shots} shots each task draws from it")
+  return opts.pop("system_prompt", "default"), shots, pool, opts
 
 
 @functools.lru_cache(maxsize=64)
@@ -106,8 +117,10 @@ class ReasoningGymSource:
 
   def __init__(self, cfg: TaskBankConfig, seed: int, size: int,
                avoid: frozenset[str] = frozenset(), examples: tuple = ()):
+    """`examples`: the worked examples, (user, assistant) message pairs; every task starts with
+    all of them, or with `shots` of them drawn per task when there are more (shot_pool)."""
     self.name = _split_name(cfg)
-    prompt_name, _, opts = _options(cfg)
+    prompt_name, self.shots, _, opts = _options(cfg)
     self.options_json = json.dumps(opts, sort_keys=True)
     self.system = _system(prompt_name)
     self.seed, self.size, self.avoid, self.examples = seed, size, avoid, examples
@@ -127,7 +140,10 @@ class ReasoningGymSource:
 
   def _task(self, row: int, entry: dict) -> Task:
     messages = ([{"role": "system", "content": self.system}] if self.system else [])
-    messages += [dict(m) for m in self.examples]
+    pairs = self.examples
+    if len(pairs) > self.shots:   # a shot pool: this task's own draw (module docstring)
+      pairs = random.Random(f"{self.seed}:{row}").sample(pairs, self.shots)
+    messages += [dict(m) for pair in pairs for m in pair]
     messages.append({"role": "user", "content": entry["question"]})
     ref = {"dataset": self.name, "options": self.options_json, "seed": self.seed,
            "size": self.size * _TRIES, "index": row}
@@ -145,19 +161,18 @@ def _base(cfg: TaskBankConfig) -> int:
 
 
 def _held_out(cfg: TaskBankConfig, n: int) -> tuple[frozenset[str], tuple]:
-  """The held-out questions and the worked examples (message pairs) every prompt starts with."""
+  """The held-out questions and the worked examples, (user, assistant) message pairs: `shots`
+  of them, or `shot_pool` for the tasks to draw from; never a held-out question."""
   held = ReasoningGymSource(cfg, seed=_base(cfg) + EVAL_SEED, size=n)
   questions = frozenset(held.ds[i]["question"] for i in range(n))
-  shots = _options(cfg)[1]
+  _, shots, pool_size, _ = _options(cfg)
   if not shots:
     return questions, ()
-  pool = ReasoningGymSource(cfg, seed=_base(cfg) + SHOT_SEED, size=shots, avoid=questions)
-  examples = []
-  for i in range(shots):
-    task = pool[i]
-    examples += [task.messages[-1],
-                 {"role": "assistant", "content": f"<answer>{task.answer}</answer>"}]
-  return questions, tuple(examples)
+  size = max(shots, pool_size)
+  pool = ReasoningGymSource(cfg, seed=_base(cfg) + SHOT_SEED, size=size, avoid=questions)
+  return questions, tuple(
+      (task.messages[-1], {"role": "assistant", "content": f"<answer>{task.answer}</answer>"})
+      for task in (pool[i] for i in range(size)))
 
 
 def _eval_tasks(cfg: TaskBankConfig, n: int) -> list[Task]:

@@ -102,6 +102,33 @@ def test_worked_examples_come_first_and_are_never_held_out():
     _bank("gcd", dataset_config={"shots": -1})
 
 
+def test_a_shot_pool_gives_each_task_its_own_examples_and_never_a_held_out_one():
+  cfg = {"shots": 2, "shot_pool": 16, "system_prompt": None}
+  bank = _bank("gcd", eval_size=32, dataset_config=cfg)
+  held = bank.eval_tasks()
+  it = bank.iterator()
+  train = [next(it) for _ in range(32)]
+  pool = {}  # the package's own rows of the worked-example seed: question -> answer
+  for e in rg.create_dataset("gcd", seed=2_000_003, size=16 * 64):
+    pool.setdefault(e["question"], str(e["answer"]))
+  held_q = {t.messages[-1]["content"] for t in held}
+  drawn = set()
+  for t in held + train:
+    shots = t.messages[:-1]
+    assert [m["role"] for m in shots] == ["user", "assistant"] * 2, t.id
+    assert shots[0]["content"] != shots[2]["content"]          # two distinct rows
+    for q, a in zip(shots[::2], shots[1::2]):
+      assert a["content"] == f"<answer>{pool[q['content']]}</answer>"
+      assert q["content"] not in held_q
+    drawn.add(tuple(m["content"] for m in shots[::2]))
+  assert len(drawn) > 16                       # 64 tasks, 120 possible pairs: many sets
+  assert len({q for pair in drawn for q in pair}) <= 16
+  again = _bank("gcd", eval_size=32, dataset_config=cfg).eval_tasks()
+  assert [t.messages for t in again] == [t.messages for t in held]   # a task's draw is fixed
+  with pytest.raises(UserError, match=r"'shot_pool'\] = 1 is fewer rows than the 2 shots"):
+    _bank("gcd", dataset_config={"shots": 2, "shot_pool": 1})
+
+
 def test_task_seeds_a_step_apart_share_no_rows():
   """reasoning-gym draws row i of seed s from Random(s + i): made with seeds 0 and 3 directly,
   the package's own rows overlap (the held-out sets of tasks.seed=0 and =3 once did, 253 of
