@@ -21,6 +21,7 @@ The engine raising -> the episode raises; the source retries / requeues (actors/
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import inspect
 import time
@@ -175,15 +176,36 @@ class TaskEpisodeConfig:
 
 def _evaluate(episode: TaskEpisode, tasks, temperature: float, n: int, max_tokens: int,
               seed: int) -> dict[str, float]:
-  """The mean reward of `n` completions per held-out task at `temperature`."""
+  """The mean reward of `n` completions per held-out task at `temperature` ("accuracy"), and
+  what tells a policy that learned the task from one that collapsed onto a frequent answer:
+
+      top_reply_frac      share of the completions that are the most common one (its text,
+                          stripped): 1.0 = one reply to every task
+      constant_baseline   share of the tasks whose reference answer is the most common one:
+                          what the best single answer scores under exact match (tasks
+                          with an empty answer left out; partial-credit graders may give more)
+
+  (SmolLM2 on reasoning-gym gcd reached 0.332 = gcd's constant_baseline, every reply "2".)"""
   prompts = [encode_prompt(episode.tokenizer, t) for t in tasks]
   sp = SamplingParams(max_tokens=max_tokens, temperature=temperature,
                       stop_token_ids=episode.stop_token_ids)
   groups = episode.engine.generate(prompts, sp, n=n, seed=seed)
-  rewards = [episode.grader(episode.tokenizer.decode(c.token_ids, skip_special_tokens=True),
-                            t).reward for comps, t in zip(groups, tasks) for c in comps]
-  return {"accuracy": float(sum(rewards) / len(rewards)) if rewards else float("nan"),
-          "count": float(len(rewards))}
+  texts = [(episode.tokenizer.decode(c.token_ids, skip_special_tokens=True), t)
+           for comps, t in zip(groups, tasks) for c in comps]
+  rewards = [episode.grader(text, t).reward for text, t in texts]
+  out = {"accuracy": float(sum(rewards) / len(rewards)) if rewards else float("nan"),
+         "count": float(len(rewards))}
+  if texts:
+    out["top_reply_frac"] = _top_share([text.strip() for text, _ in texts])
+  answers = [t.answer.strip() for t in tasks if t.answer.strip()]
+  if answers:
+    out["constant_baseline"] = _top_share(answers)
+  return out
+
+
+def _top_share(values: list[str]) -> float:
+  """The share of `values` equal to the most common one."""
+  return collections.Counter(values).most_common(1)[0][1] / len(values)
 
 
 def _demonstration(cfg: TaskEpisodeConfig, demo: DemoContext, task: Task, tid: str) -> Trajectory:
