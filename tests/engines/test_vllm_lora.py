@@ -87,3 +87,14 @@ def test_adapter_sync_serves_the_merged_models_logprobs(tmp_path_factory):
       assert d3 <= 1e-3 and os.listdir(engine._adapters.directory()) == []
     finally:
       engine.close()
+
+
+@vt.needs_vllm
+def test_adapters_are_synced_alone_unless_vllm_runs_on_cpu():
+  """adapter_sync=None: merged weights on vLLM-CPU (its LoRA decode was ~15x slower for
+  SmolLM2-135M at r16), the adapters alone on an accelerator; an explicit value is kept."""
+  from vllm.platforms import current_platform
+  from posttrain_jax.engines.vllm_engine import syncs_adapters
+  assert syncs_adapters(VLLMEngineConfig()) is (not current_platform.is_cpu())
+  assert syncs_adapters(VLLMEngineConfig(adapter_sync=True)) is True
+  assert syncs_adapters(VLLMEngineConfig(adapter_sync=False)) is False
