@@ -458,6 +458,8 @@ class VLLMEngine:
                         f"{type(e).__name__}: {e}{hint}") from e
     self.startup_s = time.perf_counter() - t0
     self._watch = vllm_procs.family(llm)  # the core(s), then their workers
+    self._reaper = vllm_procs.Reaper()    # they die with this process, even a kill -9 of it
+    self._reaper.watch(self._watch)
     return llm
 
   def _watched(self, what: str, call):
@@ -544,6 +546,9 @@ class VLLMEngine:
       except Exception:  # a dead core's sockets are gone: the kill below does the rest
         pass
     vllm_procs.kill(family)
+    reaper, self._reaper = getattr(self, "_reaper", None), None
+    if reaper is not None:
+      reaper.close()
 
   def _complete(self, names: list[str]) -> bool:
     """Do `names` cover every tensor of the served checkpoint (a whole-model update)?"""

@@ -1,10 +1,14 @@
 """The processes behind an in-process `vllm.LLM`: find them, tell whether they are alive, kill
-them, and wake a call vLLM left blocked on a dead core (used by vllm_engine.py; see its module
-docstring, "Engine death and hangs")."""
+them, wake a call vLLM left blocked on a dead core (used by vllm_engine.py; see its module
+docstring, "Engine death and hangs"), and kill them when this process dies without closing the
+engine (`Reaper`: a kill -9 of the trainer left vLLM's core and worker computing on).
+"""
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from typing import Optional, Sequence
 
 POLL_S = 0.2  # how often a watched call checks the core's health
@@ -68,3 +72,66 @@ def kill(pids: Sequence[int], sig: int = signal.SIGKILL) -> None:
       os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
       pass
+
+
+# The reaper: reads "pid starttime" lines, then "done" (the engine stopped its processes) or
+# EOF, which without "done" means this process died (the kernel closes the pipe even after a
+# kill -9): it then kills every watched pid whose start time is still the one it was given (a
+# pid reused since is left alone). Its own session, so a signal to our group does not end it
+# before it has reaped.
+_REAPER = r"""
+import os, signal, sys
+watched, done = [], False
+for line in sys.stdin:
+  if line.strip() == "done":
+    done = True
+    break
+  pid, start = line.split()
+  watched.append((int(pid), start))
+if not done:
+  for pid, start in watched:
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        if f.read().rsplit(")", 1)[1].split()[19] == start:
+          os.kill(pid, signal.SIGKILL)
+    except (OSError, IndexError):
+      pass
+"""
+
+
+def _start_time(pid: int) -> Optional[str]:
+  """Field 22 of /proc/pid/stat (ticks since boot): a pid and this name one process."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[19]
+  except (OSError, IndexError):
+    return None
+
+
+class Reaper:
+  """Kills `watch()`ed processes if this process ends before `close()` (module docstring).
+  Start it after the processes it watches: a process forked later (vLLM forks its core)
+  would inherit the pipe and hold it open past our death."""
+
+  def __init__(self):
+    self._proc = subprocess.Popen([sys.executable, "-c", _REAPER], stdin=subprocess.PIPE,
+                                  text=True, start_new_session=True)
+
+  def watch(self, pids: Sequence[int]) -> None:
+    for pid in pids:
+      start = _start_time(pid)
+      if start is not None:
+        self._proc.stdin.write(f"{pid} {start}\n")
+    self._proc.stdin.flush()
+
+  def close(self) -> None:
+    """The watched processes are stopped (or ours to stop): the reaper exits, killing nothing."""
+    try:
+      self._proc.stdin.write("done\n")
+      self._proc.stdin.close()
+    except (BrokenPipeError, ValueError):
+      pass
+    try:
+      self._proc.wait(10)
+    except subprocess.TimeoutExpired:
+      self._proc.kill()

@@ -159,3 +159,44 @@ def test_a_run_rides_out_a_killed_server(tmp_path):
       assert proxy.killed_pid is not None, "the server was never killed"
       assert result is not None and server.restarts == 1
   vt.check_run_rode_out_step_3(workdir, result)
+
+
+_IN_PROCESS = """
+import sys, threading, time
+from posttrain_jax.engines.base import SamplingParams
+from posttrain_jax.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+e = VLLMEngine(VLLMEngineConfig(model=sys.argv[1], dtype="float32", max_model_len=512,
+                                enforce_eager=True))
+print("PIDS", *e.core_pids(), flush=True)
+while True:   # the worker busy when the kill comes
+  e.generate([[3, 4, 5]] * 8, SamplingParams(max_tokens=400), n=4, seed=0)
+"""
+
+
+@vt.needs_vllm
+def test_the_in_process_engine_does_not_outlive_a_killed_trainer(tmp_path_factory):
+  """kill -9 of a trainer whose `vllm.LLM` runs in its own process: vLLM's engine core and
+  worker (its children) go too, busy or not (seen 2026-12-07: a killed trainer's core and
+  worker, mid-generate, still at 70 % of a core 40 s later)."""
+  base = tmp_path_factory.getbasetemp()
+  with vt.vllm_environment(base / "vllm_env_orphan_inproc"):
+    tiny = vt.tiny_model_dir(base)
+    trainer = subprocess.Popen([sys.executable, "-c", _IN_PROCESS, str(tiny)],
+                               stdout=subprocess.PIPE, text=True, env={**os.environ})
+    line = "?"
+    while line and not line.startswith("PIDS "):   # vLLM logs to stdout too
+      line = trainer.stdout.readline()
+    assert line, "the engine did not start"
+    family = [int(p) for p in line.split()[1:]]
+    assert len(family) >= 2, family   # the engine core + its worker
+    time.sleep(2.0)   # generating
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    t0 = time.monotonic()
+    while any(server_alive(p) for p in family) and time.monotonic() - t0 < 30:
+      time.sleep(0.2)
+    left = [p for p in family if server_alive(p)]
+    for p in left:
+      os.kill(p, signal.SIGKILL)
+    assert not left, f"vLLM processes {left} outlived the killed trainer"
+    print(f"\nengine family {family} gone {time.monotonic() - t0:.1f} s after the kill")
