@@ -179,6 +179,8 @@ def _evaluate(episode: TaskEpisode, tasks, temperature: float, n: int, max_token
   """The mean reward of `n` completions per held-out task at `temperature` ("accuracy"), and
   what tells a policy that learned the task from one that collapsed onto a frequent answer:
 
+      solved_frac         share of the completions that scored 1.0 (below the accuracy where
+                          the grader gives partial credit: spell_backward scores each letter)
       top_reply_frac      share of the completions that are the most common one (its text,
                           stripped): 1.0 = one reply to every task
       constant_baseline   share of the tasks whose reference answer is the most common one:
@@ -196,6 +198,7 @@ def _evaluate(episode: TaskEpisode, tasks, temperature: float, n: int, max_token
   out = {"accuracy": float(sum(rewards) / len(rewards)) if rewards else float("nan"),
          "count": float(len(rewards))}
   if texts:
+    out["solved_frac"] = sum(r == 1.0 for r in rewards) / len(rewards)
     out["top_reply_frac"] = _top_share([text.strip() for text, _ in texts])
   answers = [t.answer.strip() for t in tasks if t.answer.strip()]
   if answers:

@@ -37,7 +37,7 @@ def test_a_collapsed_policy_shows_one_reply_and_the_constant_baseline():
   assert out["accuracy"] == 1.0          # the fake grader: odd replies score 1
   assert out["top_reply_frac"] == 1.0    # one reply to every task
   assert out["constant_baseline"] == pytest.approx(3 / 5)   # "2" answers 3 of 5
-  assert out["count"] == 5
+  assert out["count"] == 5 and out["solved_frac"] == 1.0
 
 
 def test_varied_replies_and_a_task_with_an_empty_answer():
@@ -45,3 +45,17 @@ def test_varied_replies_and_a_task_with_an_empty_answer():
   assert out["top_reply_frac"] == pytest.approx(2 / 4)
   assert out["constant_baseline"] == pytest.approx(1 / 3)   # the task with an empty answer left out
   assert out["accuracy"] == pytest.approx(3 / 4)
+  assert out["solved_frac"] == pytest.approx(3 / 4)   # the fake grader scores 0 or 1
+
+
+def test_partial_credit_counts_in_the_accuracy_not_in_solved():
+  from posttrain_jax.graders import GradeResult
+
+  def by_letter(text, task):   # a reply of the right length scores 1, one shorter 0.5
+    short = int(text) == int(task.answer) - 1
+    return GradeResult(reward=1.0 if text == task.answer else 0.5 if short else 0.0)
+  tasks = [Task(id=f"t{i}", prompt=f"q{i}", answer=a) for i, a in enumerate(["3", "4", "5"])]
+  ep = TaskEpisode(Replies([3, 3, 3]), Tokenizer(), by_letter, RolloutConfig(max_tokens=8), [1])
+  out = _evaluate(ep, tasks, temperature=0.0, n=1, max_tokens=8, seed=0)
+  assert out["accuracy"] == pytest.approx((1.0 + 0.5 + 0.0) / 3)
+  assert out["solved_frac"] == pytest.approx(1 / 3)
