@@ -24,7 +24,9 @@ one client's one call asks for `--long_tokens` (4096; the tiny model is built wi
 context so that it fits; greedy, so EOS rarely ends it early). Latencies are of the short calls;
 the long call is reported beside them (and the varied calls once more without it, first), with
 the sampler's compiles after the warm-up (GET /health `engine_compiles`). Ends with
-`RESULT p50_fixed_ms=… p50_varied_ms=… p99_varied_ms=… recompiles=…`.
+`RESULT p50_fixed_ms=… p50_varied_ms=… p99_varied_ms=… recompiles=…`. `--vary_only` varies one
+part: which one costs (2026-12-07: max_tokens nothing, top-p's sort of the vocabulary all of
+it; benchmarks/README.md).
 
     python benchmarks/proxy_overhead.py --out FILE.json [--calls 300] [--concurrency 32] [--smoke]
     python benchmarks/proxy_overhead.py --out FILE.json --vary [--clients 16] [--smoke]
@@ -79,15 +81,23 @@ def _serve(port: int, synchronous: str, *flags: str) -> subprocess.Popen:
   return proc
 
 
-def _options(rng: np.random.Generator) -> dict:
-  """One varied call's sampling options (module docstring)."""
+VARY_ONLY = ("all", "max_tokens", "sampling", "top_p", "top_k", "greedy")
+
+
+def _options(rng: np.random.Generator, only: str = "all") -> dict:
+  """One varied call's sampling options (module docstring); `only` (--vary_only) keeps the
+  fixed calls' values for all but one part: max_tokens alone, the sampling values alone
+  (temperature, top_p, top_k), or every call with top_p 0.9, top_k 20 or greedy."""
   out = {"temperature": 0.0 if rng.random() < 0.2 else round(float(rng.uniform(0.1, 1.5)), 3),
          "max_tokens": int(rng.integers(1, 65))}
   if rng.random() < 0.7:
     out["top_p"] = round(float(rng.uniform(0.5, 1.0)), 3)
   if rng.random() < 0.3:
     out["top_k"] = int(rng.integers(1, 50))
-  return out
+  fixed = {"temperature": 1.0, "max_tokens": 32}
+  return {"all": out, "max_tokens": {**fixed, "max_tokens": out["max_tokens"]},
+          "sampling": {**out, "max_tokens": 32}, "top_p": {**fixed, "top_p": 0.9},
+          "top_k": {**fixed, "top_k": 20}, "greedy": {**fixed, "temperature": 0.0}}[only]
 
 
 def vary(args, info) -> None:
@@ -133,7 +143,7 @@ def vary(args, info) -> None:
           long_out["s"], long_out["tokens"] = post(c, max_tokens=args.long_tokens,
                                                    temperature=0.0)
           return []
-        return [post(c, seed=k * 1000 + j, **_options(rng))[0]
+        return [post(c, seed=k * 1000 + j, **_options(rng, args.vary_only))[0]
                 for j in range(args.calls_per_client)]
     alone_ms = np.array(clients(lambda k: varied(k, long=False))) * 1e3   # no long call
     t0 = time.perf_counter()
@@ -182,6 +192,8 @@ def main():
   p.add_argument("--vary", action="store_true",
                  help="clients that vary temperature / top_p / max_tokens, one long call")
   p.add_argument("--clients", type=int, default=16, help="--vary: client threads")
+  p.add_argument("--vary_only", default="all", choices=VARY_ONLY,
+                 help="--vary: vary one part of the options only (which one costs)")
   p.add_argument("--long_tokens", type=int, default=4096, help="--vary: the long call's max_tokens")
   p.add_argument("--serve_flag", action="append", default=[],
                  help="--vary: a further launch/serve.py flag (repeatable), e.g. "
