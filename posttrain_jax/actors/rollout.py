@@ -187,7 +187,11 @@ def _evaluate(episode: TaskEpisode, tasks, temperature: float, n: int, max_token
                           what the best single answer scores under exact match (tasks
                           with an empty answer left out; partial-credit graders may give more)
 
-  (SmolLM2 on reasoning-gym gcd reached 0.332 = gcd's constant_baseline, every reply "2".)"""
+  (SmolLM2 on reasoning-gym gcd reached 0.332 = gcd's constant_baseline, every reply "2".)
+  top_reply_frac compares whole replies: a policy that reasons in varied words before one
+  collapsed answer reads low on it (compare its accuracy with constant_baseline then). On
+  several processes both shares are the mean of each shard's, an upper bound of the whole
+  set's (a shard's most common value is at least as frequent there as the set's)."""
   prompts = [encode_prompt(episode.tokenizer, t) for t in tasks]
   sp = SamplingParams(max_tokens=max_tokens, temperature=temperature,
                       stop_token_ids=episode.stop_token_ids)
@@ -195,19 +199,21 @@ def _evaluate(episode: TaskEpisode, tasks, temperature: float, n: int, max_token
   texts = [(episode.tokenizer.decode(c.token_ids, skip_special_tokens=True), t)
            for comps, t in zip(groups, tasks) for c in comps]
   rewards = [episode.grader(text, t).reward for text, t in texts]
-  out = {"accuracy": float(sum(rewards) / len(rewards)) if rewards else float("nan"),
+  nan = float("nan")
+  out = {"accuracy": float(sum(rewards) / len(rewards)) if rewards else nan,
          "count": float(len(rewards))}
-  if texts:
-    out["solved_frac"] = sum(r == 1.0 for r in rewards) / len(rewards)
-    out["top_reply_frac"] = _top_share([text.strip() for text, _ in texts])
-  answers = [t.answer.strip() for t in tasks if t.answer.strip()]
-  if answers:
-    out["constant_baseline"] = _top_share(answers)
+  # every key on every process, NaN where undefined: the eval averages each over the processes
+  # with one collective per key (run/evaluation.py), so all must report the same keys
+  out["solved_frac"] = sum(r == 1.0 for r in rewards) / len(rewards) if rewards else nan
+  out["top_reply_frac"] = _top_share([text.strip() for text, _ in texts])
+  out["constant_baseline"] = _top_share([t.answer.strip() for t in tasks if t.answer.strip()])
   return out
 
 
 def _top_share(values: list[str]) -> float:
-  """The share of `values` equal to the most common one."""
+  """The share of `values` equal to the most common one (NaN for none)."""
+  if not values:
+    return float("nan")
   return collections.Counter(values).most_common(1)[0][1] / len(values)
 
 

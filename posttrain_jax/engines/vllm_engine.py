@@ -458,8 +458,13 @@ class VLLMEngine:
                         f"{type(e).__name__}: {e}{hint}") from e
     self.startup_s = time.perf_counter() - t0
     self._watch = vllm_procs.family(llm)  # the core(s), then their workers
-    self._reaper = vllm_procs.Reaper()    # they die with this process, even a kill -9 of it
-    self._reaper.watch(self._watch)
+    try:   # they die with this process, even a kill -9 of it
+      self._reaper = vllm_procs.Reaper()
+      self._reaper.watch(self._watch)
+    except OSError as e:
+      self._stop(llm)
+      raise EngineError(f"could not start the process that stops vLLM's engine core if this "
+                        f"process dies: {type(e).__name__}: {e}") from e
     return llm
 
   def _watched(self, what: str, call):

@@ -86,8 +86,11 @@ for line in sys.stdin:
   if line.strip() == "done":
     done = True
     break
-  pid, start = line.split()
-  watched.append((int(pid), start))
+  try:
+    pid, start = line.split()
+    watched.append((int(pid), start))
+  except ValueError:
+    continue
 if not done:
   for pid, start in watched:
     try:
@@ -110,8 +113,10 @@ def _start_time(pid: int) -> Optional[str]:
 
 class Reaper:
   """Kills `watch()`ed processes if this process ends before `close()` (module docstring).
-  Start it after the processes it watches: a process forked later (vLLM forks its core)
-  would inherit the pipe and hold it open past our death."""
+  Start it after the processes it watches: a process forked later without an exec (vLLM
+  forks its core; a second engine's core inherits the first engine's pipe) holds the pipe open
+  past our death, and this reaper acts only once that one is gone too (the second engine's
+  reaper sees to it). Children that exec close the pipe (it is close-on-exec)."""
 
   def __init__(self):
     self._proc = subprocess.Popen([sys.executable, "-c", _REAPER], stdin=subprocess.PIPE,
@@ -135,3 +140,4 @@ class Reaper:
       self._proc.wait(10)
     except subprocess.TimeoutExpired:
       self._proc.kill()
+      self._proc.wait()

@@ -141,8 +141,9 @@ class ReasoningGymSource:
   def _task(self, row: int, entry: dict) -> Task:
     messages = ([{"role": "system", "content": self.system}] if self.system else [])
     pairs = self.examples
-    if len(pairs) > self.shots:   # a shot pool: this task's own draw (module docstring)
-      pairs = random.Random(f"{self.seed}:{row}").sample(pairs, self.shots)
+    if len(pairs) > self.shots:   # a shot pool: this task's own draw, never its own question
+      others = [pair for pair in pairs if pair[0]["content"] != entry["question"]]
+      pairs = random.Random(f"{self.seed}:{row}").sample(others, min(self.shots, len(others)))
     messages += [dict(m) for pair in pairs for m in pair]
     messages.append({"role": "user", "content": entry["question"]})
     ref = {"dataset": self.name, "options": self.options_json, "seed": self.seed,

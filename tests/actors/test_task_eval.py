@@ -59,3 +59,10 @@ def test_partial_credit_counts_in_the_accuracy_not_in_solved():
   out = _evaluate(ep, tasks, temperature=0.0, n=1, max_tokens=8, seed=0)
   assert out["accuracy"] == pytest.approx((1.0 + 0.5 + 0.0) / 3)
   assert out["solved_frac"] == pytest.approx(1 / 3)
+
+
+def test_a_shard_without_tasks_reports_every_key():
+  """Every process must report the same keys (the eval averages each with one collective)."""
+  out = _eval([], [])
+  assert set(out) == {"accuracy", "count", "solved_frac", "top_reply_frac", "constant_baseline"}
+  assert out["count"] == 0 and all(out[k] != out[k] for k in out if k != "count")   # NaN

@@ -183,15 +183,19 @@ def test_the_in_process_engine_does_not_outlive_a_killed_trainer(tmp_path_factor
     tiny = vt.tiny_model_dir(base)
     trainer = subprocess.Popen([sys.executable, "-c", _IN_PROCESS, str(tiny)],
                                stdout=subprocess.PIPE, text=True, env={**os.environ})
-    line = "?"
-    while line and not line.startswith("PIDS "):   # vLLM logs to stdout too
-      line = trainer.stdout.readline()
-    assert line, "the engine did not start"
-    family = [int(p) for p in line.split()[1:]]
-    assert len(family) >= 2, family   # the engine core + its worker
-    time.sleep(2.0)   # generating
-    trainer.send_signal(signal.SIGKILL)
-    trainer.wait()
+    try:
+      line = "?"
+      while line and not line.startswith("PIDS "):   # vLLM logs to stdout too
+        line = trainer.stdout.readline()
+      assert line, "the engine did not start"
+      family = [int(p) for p in line.split()[1:]]
+      assert len(family) >= 2, family   # the engine core + its worker
+      # its logs read on, so that a full pipe never stops the trainer before the kill
+      threading.Thread(target=trainer.stdout.read, daemon=True).start()
+      time.sleep(2.0)   # generating
+    finally:
+      trainer.send_signal(signal.SIGKILL)
+      trainer.wait()
     t0 = time.monotonic()
     while any(server_alive(p) for p in family) and time.monotonic() - t0 < 30:
       time.sleep(0.2)

@@ -1,6 +1,6 @@
 """vllm_procs.Reaper without vLLM: the processes it watches die with the process that started it,
 however it dies (kill -9 included), and live on when it closes the reaper first. The same on the
-real vLLM: test_engine_failures_vllm.py::test_the_in_process_engine_does_not_outlive_a_killed_trainer."""
+real vLLM: test_engine_failures_vllm.py, the in-process engine and a killed trainer."""
 import os
 import signal
 import subprocess

@@ -119,7 +119,7 @@ def test_a_shot_pool_gives_each_task_its_own_examples_and_never_a_held_out_one()
     assert shots[0]["content"] != shots[2]["content"]          # two distinct rows
     for q, a in zip(shots[::2], shots[1::2]):
       assert a["content"] == f"<answer>{pool[q['content']]}</answer>"
-      assert q["content"] not in held_q
+      assert q["content"] not in held_q and q["content"] != t.messages[-1]["content"]
     drawn.add(tuple(m["content"] for m in shots[::2]))
   assert len(drawn) > 16                       # 64 tasks, 120 possible pairs: many sets
   assert len({q for pair in drawn for q in pair}) <= 16
