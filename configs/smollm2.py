@@ -29,8 +29,10 @@ base: 64 held-out tasks, one fixed pair of worked examples (benchmarks/suite_sur
 results/suite_survey/smollm2_2shot.json); constant: 256 held-out tasks. With 3-5 letter words
 and 2 examples drawn per task from 64 (`shot_pool`: a score averaged over many example pairs,
 not one; on gcd one pair's gain was another pair's nothing), the base scores 0.111 on 64 and
-0.123 on the 256 held-out tasks here; arithmetic with 1-2 digit operands scored 0.000-0.117
-with constants 0.06-0.11 (screened, not committed).
+0.123 on the 256 held-out tasks here. Screened, not run yet (128 tasks, the same prompts):
+basic_arithmetic with two 1-digit operands scored 0.391 with "+" (constant 0.125) and 0.346
+with "*" (constant 0.180), whole answers, both above their constants; with 1-2 digit
+operands 0.000-0.117 at constants 0.06-0.11.
 
 The recipe: no SFT; LoRA rank 16 (alpha 32) on every attention and MLP projection, lr 3e-4
 (AdamW, 5 warm-up steps); 100 steps of 8 prompts x 8 samples at temperature 1, 24 new tokens,
