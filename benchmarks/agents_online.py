@@ -23,9 +23,13 @@ graded (so never trained; another seed than the training tasks), before any trai
 the last step (the last adapters installed, the harness stopped). Reported with how often the
 agent called the tool (SmolLM2-135M-Instruct, probed with transformers before any run: 0 of 48
 samples wrote a `<tool_call>` when offered the tool, 0 of 36 a parseable one when the call's
-opening was prefilled as `tool_choice` naming it does; so the tool is offered, the model decides), calls made / failed across the swaps, and what the proxy recorded. Ends
-with `RESULT heldout_before=… heldout_after=… tool_use_before=… tool_use_after=… calls=…
-failed=… swaps=… sessions_trained=…`.
+opening was prefilled as `tool_choice` naming it does; so the tool is offered, the model
+decides), calls made / failed across the swaps, what the proxy recorded, and the share of
+replies that are the most common one beside the held-out set's constant baseline (what one
+answer to every task scores: on gcd's first 128, 0.406, the share of "2"; the run of
+2026-12-07 rose exactly to it). Ends with `RESULT heldout_before=… heldout_after=…
+tool_use_before=… tool_use_after=… calls=… failed=… swaps=… sessions_trained=…
+top_reply_after=… constant_baseline=…`.
 
     python benchmarks/agents_online.py --out FILE.json [--steps 16] [--smoke]
 
@@ -57,6 +61,7 @@ if str(ROOT) not in sys.path:
 from benchmarks._meta import run_info, write_result  # noqa: E402
 from benchmarks.byoh_online import _free_port, fresh_workdir, wait_serving  # noqa: E402
 from benchmarks.tenants_online import EvalAtClose  # noqa: E402
+from posttrain_jax.actors.rollout import top_share  # noqa: E402
 
 TASK = "gcd"
 TENANT, KEY = "agent", "key-agent"
@@ -192,10 +197,10 @@ class AgentHarness:
       text, tool = str(result.final_output or ""), any(
           isinstance(i, ToolCallItem) for i in result.new_items)
     except AgentsException as e:      # too many turns, a malformed call: the policy's failure
-      return {"reward": 0.0, "tool": False, "policy_error": type(e).__name__}
+      return {"reward": 0.0, "tool": False, "text": "", "policy_error": type(e).__name__}
     except openai.APIError as e:      # the endpoint failed: not the policy's doing
       return {"reward": None, "tool": False, "infra_error": f"{type(e).__name__}: {e}"[:200]}
-    return {"reward": float(self.grader(text, task).reward), "tool": tool}
+    return {"reward": float(self.grader(text, task).reward), "tool": tool, "text": text}
 
   def _client(self, http: httpx.AsyncClient):
     from openai import AsyncOpenAI
@@ -251,8 +256,12 @@ class AgentHarness:
     if infra:
       raise RuntimeError(f"held-out battery {tag}: {len(infra)} infrastructure failures, "
                          f"first: {infra[0]['infra_error']}")
+    # a rise to constant_baseline with top_reply near 1 is a collapse onto one answer (gcd's
+    # first 128 held-out tasks: 0.406 = the share of "2"; actors/rollout.py)
     return {"success": float(np.mean([o["reward"] for o in outs])),
             "tool_use": float(np.mean([o["tool"] for o in outs])),
+            "top_reply": top_share([o["text"].strip() for o in outs]),
+            "constant_baseline": top_share([t.answer.strip() for t in self.held_out]),
             "policy_errors": sum("policy_error" in o for o in outs), "n": len(outs)}
 
 
@@ -335,7 +344,8 @@ def main():
   write_result(args.out, info, summary)
   print(f"RESULT heldout_before={b['success']:.3f} heldout_after={a['success']:.3f} "
         f"tool_use_before={b['tool_use']:.3f} tool_use_after={a['tool_use']:.3f} "
-        f"calls={len(calls)} failed={len(failed)} swaps={len(rows)} sessions_trained={trained}")
+        f"calls={len(calls)} failed={len(failed)} swaps={len(rows)} sessions_trained={trained} "
+        f"top_reply_after={a['top_reply']:.3f} constant_baseline={a['constant_baseline']:.3f}")
 
 
 if __name__ == "__main__":

@@ -205,13 +205,14 @@ def _evaluate(episode: TaskEpisode, tasks, temperature: float, n: int, max_token
   # every key on every process, NaN where undefined: the eval averages each over the processes
   # with one collective per key (run/evaluation.py), so all must report the same keys
   out["solved_frac"] = sum(r == 1.0 for r in rewards) / len(rewards) if rewards else nan
-  out["top_reply_frac"] = _top_share([text.strip() for text, _ in texts])
-  out["constant_baseline"] = _top_share([t.answer.strip() for t in tasks if t.answer.strip()])
+  out["top_reply_frac"] = top_share([text.strip() for text, _ in texts])
+  out["constant_baseline"] = top_share([t.answer.strip() for t in tasks if t.answer.strip()])
   return out
 
 
-def _top_share(values: list[str]) -> float:
-  """The share of `values` equal to the most common one (NaN for none)."""
+def top_share(values: list[str]) -> float:
+  """The share of `values` equal to the most common one (NaN for none): over replies, how
+  collapsed a policy is; over reference answers, what one answer to every task scores."""
   if not values:
     return float("nan")
   return collections.Counter(values).most_common(1)[0][1] / len(values)
