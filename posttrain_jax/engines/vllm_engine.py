@@ -125,14 +125,10 @@ class VLLMEngineConfig:
   request_timeout_s: float = 600.0    # one generate / score / weight load; longer = a hung core,
                                       # killed and restarted (module docstring)
   max_restarts: int = 3               # engine-core deaths or hangs survived over the engine's life
-  adapter_sync: Optional[bool] = None  # a LoRA learner (learner.lora.rank > 0): True: start
-                                      # vLLM with enable_lora and sync the adapters alone (PEFT
-                                      # files in shm_dir, a new adapter name per version); False:
-                                      # merged weights, every tensor, at each update; None: True
-                                      # on an accelerator, False on vLLM-CPU, whose LoRA path
-                                      # decoded SmolLM2-135M with an r16 adapter at 95-103 s a
-                                      # step (64 x 24 tokens) against 6.1-6.8 s merged, for a
-                                      # 1.0 s merged weight load (configs/smollm2.py, 2026-12-07)
+  adapter_sync: Optional[bool] = None  # LoRA learner: True: vLLM with enable_lora, the adapters
+                                      # alone each sync (vllm_adapters.py); False: merged weights;
+                                      # None: False on vLLM-CPU (SmolLM2 r16: 95-103 s a step with
+                                      # the adapter vs 6.1-6.8 s merged), else True
   max_loras: int = 1                  # adapters vLLM holds at once (each update replaces the last)
 
 

@@ -5,9 +5,7 @@ serves anything: its completions are the trained weights' log-probs, not the sta
 (which is what a client-side version alone would have tagged as current). And the server does
 not outlive a trainer that is killed."""
 import os
-import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -94,6 +92,18 @@ time.sleep(600)
 """
 
 
+def _gone_within(family: list[int], limit_s: float) -> float:
+  """Seconds until every pid of `family` is gone; fails (killing what is left) past limit_s."""
+  t0 = time.monotonic()
+  while any(server_alive(p) for p in family) and time.monotonic() - t0 < limit_s:
+    time.sleep(0.2)
+  left = [p for p in family if server_alive(p)]
+  for p in left:
+    os.kill(p, signal.SIGKILL)
+  assert not left, f"vLLM processes {left} outlived the killed trainer"
+  return time.monotonic() - t0
+
+
 @vt.needs_vllm
 def test_the_server_does_not_outlive_a_killed_trainer(tmp_path_factory):
   import psutil
@@ -110,14 +120,7 @@ def test_the_server_does_not_outlive_a_killed_trainer(tmp_path_factory):
     assert _answers(url) and len(family) >= 2, family  # api_server + its engine process
     trainer.send_signal(signal.SIGKILL)
     trainer.wait()
-    t0 = time.monotonic()
-    while any(server_alive(p) for p in family) and time.monotonic() - t0 < 90:
-      time.sleep(0.2)
-    left = [p for p in family if server_alive(p)]
-    for p in left:
-      os.kill(p, signal.SIGKILL)
-    assert not left, f"vLLM processes {left} outlived the killed trainer"
-    print(f"\nserver family {family} gone {time.monotonic() - t0:.1f} s after the kill")
+    print(f"\nserver family {family} gone {_gone_within(family, 90.0):.1f} s after the kill")
     assert not _answers(url)
 
 
@@ -196,11 +199,4 @@ def test_the_in_process_engine_does_not_outlive_a_killed_trainer(tmp_path_factor
     finally:
       trainer.send_signal(signal.SIGKILL)
       trainer.wait()
-    t0 = time.monotonic()
-    while any(server_alive(p) for p in family) and time.monotonic() - t0 < 30:
-      time.sleep(0.2)
-    left = [p for p in family if server_alive(p)]
-    for p in left:
-      os.kill(p, signal.SIGKILL)
-    assert not left, f"vLLM processes {left} outlived the killed trainer"
-    print(f"\nengine family {family} gone {time.monotonic() - t0:.1f} s after the kill")
+    print(f"\nengine family {family} gone {_gone_within(family, 30.0):.1f} s after the kill")
