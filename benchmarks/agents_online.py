@@ -7,7 +7,8 @@ template (`model.chat_template="hermes"`: the checkpoint's own template drops `t
 against the recorded log-probs, sessions at most `--max_staleness` versions old.
   harness   `--clients` concurrent agent runs (openai-agents: `Agent` with one `calculator`
             function tool, `OpenAIChatCompletionsModel` over `AsyncOpenAI` pointed at the proxy),
-            each on one reasoning-gym gcd task in its own session (`X-Session-Id`): the
+            each on one reasoning-gym task (`--task`: configs/smollm2.py's 1-digit products,
+            or gcd) in its own session (`X-Session-Id`): the
             task's two worked examples (`<answer>N</answer>`) and its question as the run's
             input, at temperature 1, at most `--max_turns` model calls; the final answer is
             graded by
@@ -18,7 +19,7 @@ against the recorded log-probs, sessions at most `--max_staleness` versions old.
   trainer   launch/train.py's Trainer with rl.mode="online": each step trains LoRA adapters on
             `--sessions_per_step` graded sessions and swaps them into the serving engine while
             the harness keeps calling.
-Held-out success is the harness's own: the same agent, greedy, on `--heldout` gcd tasks never
+Held-out success is the harness's own: the same agent, greedy, on `--heldout` tasks never
 graded (so never trained; another seed than the training tasks), before any training and after
 the last step (the last adapters installed, the harness stopped). Reported with how often the
 agent called the tool (SmolLM2-135M-Instruct, probed with transformers before any run: 0 of 48
@@ -26,8 +27,9 @@ samples wrote a `<tool_call>` when offered the tool, 0 of 36 a parseable one whe
 opening was prefilled as `tool_choice` naming it does; so the tool is offered, the model
 decides), calls made / failed across the swaps, what the proxy recorded, and the share of
 replies that are the most common one beside the held-out set's constant baseline (what one
-answer to every task scores: on gcd's first 128, 0.406, the share of "2"; the run of
-2026-12-07 rose exactly to it). Ends with `RESULT heldout_before=… heldout_after=…
+answer to every task scores: on gcd's first 128, 0.406, the share of "2"; the gcd run of
+2026-12-07 rose exactly to it, so the default task is now one whose constant is under the
+base model's score). Ends with `RESULT heldout_before=… heldout_after=…
 tool_use_before=… tool_use_after=… calls=… failed=… swaps=… sessions_trained=…
 top_reply_after=… constant_baseline=…`.
 
@@ -63,7 +65,6 @@ from benchmarks.byoh_online import _free_port, fresh_workdir, wait_serving  # no
 from benchmarks.tenants_online import EvalAtClose  # noqa: E402
 from posttrain_jax.actors.rollout import top_share  # noqa: E402
 
-TASK = "gcd"
 TENANT, KEY = "agent", "key-agent"
 INSTRUCTIONS = ("You can use the calculator tool. Give the final answer as <answer>N</answer>.")
 SHOTS = 2   # worked examples before the question (reasoning_gym_suite: the model copies the tag)
@@ -115,9 +116,14 @@ def smollm2_config(args, port: int):
                       pack=False)
     c.rl.learner.micro_batches = args.sessions_per_step
   c.workdir = str(args.workdir / "run")
-  c.tasks.update(source="synthetic", dataset=f"reasoning_gym:{TASK}", seed=args.seed,
+  if args.task == "gcd":
+    dataset, options = "gcd", {}
+  else:   # configs/smollm2.py's task, its worked examples drawn per task from a pool
+    mine = _load_config("smollm2")
+    dataset, options = mine.TASK, dict(mine.TASK_CONFIG, shot_pool=64)
+  c.tasks.update(source="synthetic", dataset=f"reasoning_gym:{dataset}", seed=args.seed,
                  eval_size=16)
-  c.tasks.dataset_config = {"shots": SHOTS, "system_prompt": None}
+  c.tasks.dataset_config = dict(shots=SHOTS, system_prompt=None, **options)
   c.grader = "reasoning_gym"
   c.rl.update(steps=args.steps, prompts_per_step=args.sessions_per_step)
   c.rl.rollout.max_tokens = args.max_tokens
@@ -278,6 +284,9 @@ def main():
   p.add_argument("--max_staleness", type=int, default=4)
   p.add_argument("--max_turns", type=int, default=3, help="model calls per agent run")
   p.add_argument("--max_tokens", type=int, default=48, help="per model call")
+  p.add_argument("--task", default="smollm2", choices=("smollm2", "gcd"),
+                 help="smollm2: configs/smollm2.py's task (1-digit products, constant "
+                      "baseline 0.16); gcd: the task of the run of 2026-12-07 (constant 0.41)")
   p.add_argument("--heldout", type=int, default=128)
   p.add_argument("--seed", type=int, default=0, help="the task bank's (held-out: its own seed)")
   p.add_argument("--coalesce_ms", type=float, default=5.0)

@@ -1,20 +1,33 @@
 """Time to accuracy: our GRPO vs TRL's `GRPOTrainer`, same warm-started model, task, reward, machine.
 
-    python benchmarks/time_to_accuracy.py [--seeds 0,1,2] [--targets 0.5,0.7] [--out FILE.json]
-                                          [--ours_recipe default|issue] [--smoke]
+    python benchmarks/time_to_accuracy.py [--model tiny|smollm2] [--seeds 0,1,2]
+        [--targets 0.5,0.7] [--recipes same,default,lr=1e-4] [--out FILE.json] [--smoke]
+
+The recipe search is the same for both sides (`--recipes`): every candidate runs on ours and on
+TRL, each at every seed. "same" is the model's own recipe (tiny: the issue's 8 x 8, lr `--lr`,
+clip 0.2; smollm2: configs/smollm2.py's), "default" configs/default.py's (ours' tuned one, so
+TRL gets it too), "lr=X" "same" at lr X. Both sides read one run config (`race_config`; TRL's
+`GRPOConfig` and peft `LoraConfig` are derived from it: `trl_settings`, `trl_lora`), so
+"identical settings" are identical by construction, activation recompute included (TRL's
+default recomputes, ours does not; both off here). RESULT: `speedup_same_settings` (TRL's
+median seconds to the top target over ours', both on "same") and `speedup_best_recipes` (each
+side's best candidate against the other's).
+
+`--model smollm2`: SmolLM2-135M-Instruct itself (the GGUF converted to an HF directory once; no
+warm start: its accuracy is the step-0 eval) on configs/smollm2.py's task, grader (the
+dataset's own scorer), LoRA, batch and sampling, on both sides.
 
 What is compared (issue P): a ~3.2M-parameter Qwen3 built locally (models/tiny.py: no hub),
 SFT-warm-started with our Trainer on 2-digit addition to about 0.30 greedy held-out accuracy and
 exported as an HF checkpoint (`sft_model/`, our exporter; built once, cached under --work). Both
 trainers start from that directory and run GRPO on <= 8-token completions at temperature 1 with
 token-mean loss (TRL's "dapo"), group-std advantages, grad-norm clip 1, no KL (TRL beta=0; ours
-rl.reference_kl=False). TRL runs the issue's settings as a new user would: 8 prompts x 8
-completions per step, lr 3e-5 constant (lr_scheduler_type "constant"; its default would decay
-linearly), clip 0.2 both sides. Ours runs `--ours_recipe`: "default" (the default) is
-configs/default.py's RL recipe (prompts per step, group size, lr and its warmup, clip range),
-which benchmarks/recipe_sweep.py measured on this benchmark (its docstring has the table), so
-the ratio is per-step cost times the steps our recipe saves; "issue" is TRL's settings
-exactly, so the ratio is per-step cost alone.
+rl.reference_kl=False). The issue's settings ("same" on tiny): 8 prompts x 8 completions per
+step, lr 3e-5 constant (TRL's lr_scheduler_type "constant"; its default would decay linearly),
+clip 0.2 both sides. "default" is configs/default.py's RL recipe (prompts per step, group size,
+lr and its warmup, clip range), which benchmarks/recipe_sweep.py chose on this benchmark (its
+docstring has the table). Until 2026-12-07 only ours ran "default" and TRL ran with its
+default gradient checkpointing on: the table below is of that setup.
 The reward is our "numeric" grader with `pick="first"` on both sides. Every `--eval_every` steps
 both measure greedy accuracy on the same 256 held-out tasks (max 8 new tokens, same grader) and
 stop at the highest target or at `--budget_s` seconds of training.
@@ -32,12 +45,14 @@ process, one after the other per seed, the order alternating (even seeds ours fi
 TRL first: neither always runs on the warmer or the more loaded machine); each run records the
 1-minute load average before it starts (`load1`: above ~0.5 on an idle 2-core machine, something
 else was running). Ends with
-`RESULT ours_s_to_target=… trl_s_to_target=… speedup=… ours_s_per_step=… trl_s_per_step=…`.
+`RESULT ours_s_to_target=… trl_s_to_target=… speedup_same_settings=… speedup_best_recipes=…
+ours_best_recipe=… trl_best_recipe=… ours_s_per_step=… trl_s_per_step=…` (the first two and
+the s/step: "same").
 
 Measured 2026-12-05 (2-core CPU, jax 0.10.2, torch 2.13 CPU + TRL 1.16; 3 seeds, warm start
 0.281, target 0.6; steps to 0.6 per seed):
 
-    --ours_recipe  ours steps   TRL steps    s/step ours  TRL    s to 0.6 ours  TRL    speedup
+    ours' recipe   ours steps   TRL steps    s/step ours  TRL    s to 0.6 ours  TRL    speedup
     default        250/240/230  650/570/560  0.192        0.337  53.1           193.8  3.65
     issue          600/570/510  650/570/560  0.105        0.347  68.0           199.6  2.93
     issue (again)  600/570/510  650/570/560  0.110        0.342  74.8           190.9  2.55
@@ -83,7 +98,7 @@ def ours_recipe(name: str, lr: float) -> dict:
   if name == "issue":
     return dict(prompts=PROMPTS, group=GROUP, lr=lr, warmup_steps=0, eps_low=0.2, eps_high=0.2)
   if name != "default":
-    raise SystemExit(f"--ours_recipe: {name!r} is not one of default, issue")
+    raise ValueError(f"recipe {name!r} is not one of default, issue")
   from posttrain_jax.configs import default
   rl = default.get_config().rl
   return dict(prompts=rl.prompts_per_step, group=rl.rollout.group_size,
@@ -144,32 +159,61 @@ def warm_start(work: pathlib.Path, sft_steps: int, sft_lr: float, round_steps: i
   return path, acc
 
 
-# ---------------------------------------------------------------------------------- ours
+# ---------------------------------------------------------------------------------- the race
+def race_config(args, warm: pathlib.Path, recipe: dict) -> dict:
+  """The run config of one side's run, as a dict: ours runs it, TRL's `GRPOConfig` is read from
+  it (`trl_settings`), so "identical settings" are identical by construction. `--model tiny`:
+  the warm-started tiny model on 2-digit addition (module docstring); `--model smollm2`:
+  configs/smollm2.py as it stands (task, grader, LoRA, batch, sampling), its model path the
+  converted HF directory. `recipe` sets prompts, group, lr, warmup and clip on either."""
+  if getattr(args, "model", "tiny") == "smollm2":
+    from posttrain_jax.configs import smollm2
+    d = smollm2.get_config().to_dict()
+    d["model"]["path"] = str(warm)
+  else:
+    n = recipe["prompts"] * recipe["group"]
+    d = dict(model=dict(path=str(warm)), tasks=TASKS, grader_config=GRADER,
+             rl=dict(rollout=dict(max_tokens=MAX_TOKENS, temperature=1.0),
+                     learner=dict(loss="grpo", optimizer={}), loss=dict(aggregation="token_mean"),
+                     # a group's shared prompt and its completions fit one row (batching.py);
+                     # unused rows and positions are trimmed off
+                     batch=dict(rows=n, seq_len=32 + recipe["group"] * MAX_TOKENS, max_seqs=n,
+                                pack=False)),
+             eval=dict(greedy=True, sampled=False, max_tokens=MAX_TOKENS))
+  rl = d["rl"]
+  # the KL-to-reference *metric* costs ours a reference forward a step; TRL at beta 0 has none
+  rl.update(steps=args.max_steps, prompts_per_step=recipe["prompts"], reference_kl=False,
+            oversample=recipe.get("oversample", 0.0))
+  rl["rollout"]["group_size"] = recipe["group"]
+  rl["learner"]["optimizer"].update(learning_rate=recipe["lr"], warmup_steps=recipe["warmup_steps"])
+  rl["loss"] = dict(rl.get("loss") or {}, eps_low=recipe["eps_low"], eps_high=recipe["eps_high"])
+  rl["advantage"] = dict(rl.get("advantage") or {}, estimator=recipe.get("estimator", "grpo"))
+  d["train_budget_s"] = args.budget_s
+  d["eval"] = dict(d["eval"], every_steps=args.eval_every, target_accuracy=max(args.targets))
+  d["checkpoint"] = dict(every_steps=10**6, max_to_keep=1)
+  return d
+
+
+def config_recipe(args) -> dict:
+  """The recipe of `--model`'s own config (smollm2: configs/smollm2.py's; tiny: the issue's)."""
+  if getattr(args, "model", "tiny") != "smollm2":
+    return ours_recipe("issue", args.lr)
+  from posttrain_jax.configs import smollm2
+  rl = smollm2.get_config().rl
+  return dict(prompts=rl.prompts_per_step, group=rl.rollout.group_size,
+              lr=rl.learner.optimizer.learning_rate, warmup_steps=rl.learner.optimizer.warmup_steps,
+              eps_low=rl.loss["eps_low"], eps_high=rl.loss["eps_high"])
+
+
 def run_ours(warm: pathlib.Path, seed: int, args, work: pathlib.Path, recipe=None) -> dict:
   from posttrain_jax.metrics import read_metrics, time_to_target
   from posttrain_jax.run_config import run_config_from_dict
   from posttrain_jax.run import Trainer
 
-  r = recipe or ours_recipe(getattr(args, "ours_recipe", "default"), args.lr)
-  n = r["prompts"] * r["group"]
+  r = recipe or config_recipe(args)
   load1 = os.getloadavg()[0]
   workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"ours_s{seed}_", dir=work))
-  cfg = run_config_from_dict(dict(
-      workdir=str(workdir), seed=seed, model=dict(path=str(warm)), tasks=TASKS,
-      grader_config=GRADER, train_budget_s=args.budget_s,
-      rl=dict(steps=args.max_steps, prompts_per_step=r["prompts"], reference_kl=False,
-              oversample=r.get("oversample", 0.0),
-              rollout=dict(group_size=r["group"], max_tokens=MAX_TOKENS, temperature=1.0),
-              learner=dict(loss="grpo", optimizer=dict(learning_rate=r["lr"],
-                                                       warmup_steps=r["warmup_steps"])),
-              loss=dict(eps_low=r["eps_low"], eps_high=r["eps_high"], aggregation="token_mean"),
-              advantage=dict(estimator=r.get("estimator", "grpo")),
-              # a group's shared prompt and its completions fit one row (batching.py); unused
-              # rows and positions are trimmed off
-              batch=dict(rows=n, seq_len=32 + r["group"] * MAX_TOKENS, max_seqs=n, pack=False)),
-      eval=dict(every_steps=args.eval_every, greedy=True, sampled=False, max_tokens=MAX_TOKENS,
-                target_accuracy=max(args.targets)),
-      checkpoint=dict(every_steps=10**6, max_to_keep=1)))
+  cfg = run_config_from_dict(dict(race_config(args, warm, r), workdir=str(workdir), seed=seed))
   result = Trainer(cfg, log=print).run()
   rows = read_metrics(workdir / "metrics.jsonl")
   step_s = [r["time/step_s"] for r in rows if "data/hash" in r]
@@ -177,41 +221,73 @@ def run_ours(warm: pathlib.Path, seed: int, args, work: pathlib.Path, recipe=Non
            if r.get("eval/accuracy_greedy") is not None]
   hits = {t: time_to_target(rows, "eval/accuracy_greedy", t) for t in args.targets}
   return _summary("ours", seed, step_s, curve, hits, result["train_s_total"], result["eval_s_total"],
-                  completions=n, load1=load1, recipe=r)
+                  completions=cfg.rl.prompts_per_step * cfg.rl.rollout.group_size, load1=load1,
+                  recipe=r)
 
 
 # ---------------------------------------------------------------------------------- TRL
-def run_trl(warm: pathlib.Path, seed: int, args, work: pathlib.Path) -> dict:
+def trl_settings(cfg) -> dict:
+  """`GRPOConfig` keywords for what a RunConfig sets: batch, group, sampling, lr and its warmup
+  (then constant: ours has no decay here), clip range, token-mean loss ("dapo"), grad-norm clip,
+  no KL, activation recompute (`model.remat`; TRL's default would recompute, ours does not)."""
+  rl, opt = cfg.rl, cfg.rl.learner.optimizer
+  if opt.decay_steps:
+    raise SystemExit("time_to_accuracy: a decaying lr has no TRL twin here (decay_steps=0)")
+  loss = rl.loss     # the loss's own config (losses/grpo.py's GRPOConfig)
+  if loss.aggregation != "token_mean" or loss.kl_coef:
+    raise SystemExit("time_to_accuracy: TRL is run with token-mean loss and no KL only")
+  return dict(per_device_train_batch_size=rl.prompts_per_step * rl.rollout.group_size,
+              gradient_accumulation_steps=1, num_generations=rl.rollout.group_size,
+              max_completion_length=rl.rollout.max_tokens, temperature=rl.rollout.temperature,
+              learning_rate=opt.learning_rate, warmup_steps=opt.warmup_steps,
+              lr_scheduler_type="constant_with_warmup" if opt.warmup_steps else "constant",
+              beta=0.0, loss_type="dapo", epsilon=loss.eps_low,
+              epsilon_high=loss.eps_high, max_grad_norm=opt.grad_clip_norm,
+              gradient_checkpointing=cfg.model.remat)
+
+
+def trl_lora(cfg):
+  """peft's LoraConfig for the run's `rl.learner.lora` (None without adapters)."""
+  lo = cfg.rl.learner.lora
+  if not lo.rank:
+    return None
+  from peft import LoraConfig
+  return LoraConfig(r=lo.rank, lora_alpha=lo.alpha, lora_dropout=lo.dropout,
+                    target_modules=list(lo.target_modules), task_type="CAUSAL_LM")
+
+
+def run_trl(warm: pathlib.Path, seed: int, args, work: pathlib.Path, recipe=None) -> dict:
   import datasets
   import torch
   from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
   from trl import GRPOConfig, GRPOTrainer
 
   from posttrain_jax.actors.rollout import draw_task
-  from posttrain_jax.tasks import TaskBank
   from posttrain_jax.graders import make_grader
-  from posttrain_jax.graders import NumericConfig
-  from posttrain_jax.tasks.task import Task
   from posttrain_jax.run_config import run_config_from_dict
+  from posttrain_jax.tasks import TaskBank
 
   torch.manual_seed(seed)
   load1 = os.getloadavg()[0]
-  tasks_cfg = run_config_from_dict(dict(tasks=TASKS)).tasks
-  bank = TaskBank(tasks_cfg)
+  r = recipe or config_recipe(args)
+  cfg = run_config_from_dict(dict(race_config(args, warm, r), workdir=str(work), seed=seed))
+  settings = trl_settings(cfg)
+  prompts_per_step, max_tokens = cfg.rl.prompts_per_step, cfg.rl.rollout.max_tokens
+  bank = TaskBank(cfg.tasks)
   it = bank.iterator()
-  train = [draw_task(it, i) for i in range(args.max_steps * PROMPTS)]
+  train = [draw_task(it, i) for i in range(args.max_steps * prompts_per_step)]
   held_out = bank.eval_tasks()
-  grader = make_grader("numeric", NumericConfig(**GRADER))
+  grader = make_grader(cfg.grader, cfg.grader_cfg())
 
   def chat(t):
     return t.prompt if isinstance(t.prompt, list) else [{"role": "user", "content": t.prompt}]
 
   ds = datasets.Dataset.from_dict({"prompt": [chat(t) for t in train],
-                                   "answer": [t.answer for t in train]})
+                                   "idx": list(range(len(train)))})
 
-  def reward(prompts, completions, answer, **_):
-    return [grader(c[0]["content"] if isinstance(c, list) else c,
-                   Task(id="t", prompt="q", answer=a)).reward for c, a in zip(completions, answer)]
+  def reward(prompts, completions, idx, **_):
+    return [grader(c[0]["content"] if isinstance(c, list) else c, train[i]).reward
+            for c, i in zip(completions, idx)]
 
   tok = AutoTokenizer.from_pretrained(warm)
   tok.padding_side = "left"
@@ -228,13 +304,12 @@ def run_trl(warm: pathlib.Path, seed: int, args, work: pathlib.Path) -> dict:
     with torch.no_grad():
       for i in range(0, len(prompts), 64):
         enc = tok(prompts[i:i + 64], return_tensors="pt", padding=True, add_special_tokens=False)
-        out = m.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False,
+        out = m.generate(**enc, max_new_tokens=max_tokens, do_sample=False,
                          eos_token_id=stop_ids, pad_token_id=tok.pad_token_id)
         for row, t in zip(out[:, enc["input_ids"].shape[1]:], held_out[i:i + 64]):
           rewards.append(grader(tok.decode(row, skip_special_tokens=True), t).reward)
     m.train(was_training)
     return sum(rewards) / len(rewards)
-
   class Clock(TrainerCallback):
     """Training seconds less evals; greedy evals every eval_every steps; the stops."""
 
@@ -265,14 +340,11 @@ def run_trl(warm: pathlib.Path, seed: int, args, work: pathlib.Path) -> dict:
   clock = Clock()
   out_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"trl_s{seed}_", dir=work))
   config = GRPOConfig(
-      output_dir=str(out_dir), per_device_train_batch_size=PROMPTS * GROUP,
-      gradient_accumulation_steps=1, num_generations=GROUP, max_completion_length=MAX_TOKENS,
-      temperature=1.0, learning_rate=args.lr, lr_scheduler_type="constant", beta=0.0,
-      epsilon=0.2, max_grad_norm=1.0, max_steps=args.max_steps, seed=seed, use_cpu=True,
-      bf16=False, fp16=False, save_strategy="no", report_to="none", logging_steps=10**6,
-      disable_tqdm=True, dataloader_num_workers=0)
+      output_dir=str(out_dir), max_steps=args.max_steps, seed=seed, use_cpu=True, bf16=False,
+      fp16=False, save_strategy="no", report_to="none", logging_steps=10**6, disable_tqdm=True,
+      dataloader_num_workers=0, **settings)
   trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=ds,
-                        processing_class=tok, callbacks=[clock])
+                        processing_class=tok, callbacks=[clock], peft_config=trl_lora(cfg))
   trainer.train()
   rows = [{"step": s, "train_s": ts, "acc": acc} for s, ts, acc in clock.curve]
   hits = {}
@@ -280,8 +352,7 @@ def run_trl(warm: pathlib.Path, seed: int, args, work: pathlib.Path) -> dict:
     hit = next(((r["step"], r["train_s"]) for r in rows if r["acc"] >= t), None)
     hits[t] = hit
   return _summary("trl", seed, clock.step_s, clock.curve, hits, clock.last, clock.eval_s,
-                  load1=load1, recipe=dict(prompts=PROMPTS, group=GROUP, lr=args.lr,
-                                           warmup_steps=0, eps_low=0.2, eps_high=0.2))
+                  completions=settings["per_device_train_batch_size"], load1=load1, recipe=r)
 
 
 # ---------------------------------------------------------------------------------- report
@@ -321,8 +392,35 @@ def _fmt(x, nd=1):
   return "nan" if x != x else ("inf" if math.isinf(x) else f"{x:.{nd}f}")
 
 
+def recipe_named(name: str, args) -> dict:
+  """A candidate of the recipe search both sides get (`--recipes`): "same" is `--model`'s own
+  recipe (`config_recipe`), "default" configs/default.py's (chosen by benchmarks/recipe_sweep.py
+  on the tiny race), "lr=X" the "same" recipe at lr X."""
+  if name == "same":
+    return config_recipe(args)
+  if name == "default":
+    return ours_recipe("default", args.lr)
+  if name.startswith("lr="):
+    return dict(config_recipe(args), lr=float(name[3:]))
+  raise SystemExit(f"--recipes: {name!r} is not one of same, default, lr=<float>")
+
+
+def side_medians(runs, who, recipe, targets) -> dict:
+  mine = [r for r in runs if r["who"] == who and r["recipe_name"] == recipe]
+  return {"s_to_target": {str(t): _median([r["s_to_target"][str(t)] for r in mine])
+                          for t in targets},
+          "s_per_step": _median([r["s_per_step"] for r in mine]), "seeds": len(mine)}
+
+
+def _ratio(trl_t, ours_t):
+  return trl_t / ours_t if ours_t == ours_t and trl_t == trl_t and ours_t > 0 else math.nan
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--model", default="tiny", choices=("tiny", "smollm2"),
+                 help="tiny: the SFT-warm-started tiny model on addition; smollm2: "
+                      "configs/smollm2.py (SmolLM2-135M-Instruct, its task, LoRA, recipe)")
   p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds (RESULT: median)")
   # 0.7 was out of reach: from the 0.28 warm start both sides read ~0.62 after 600 steps at lr
   # 3e-5 (TRL: 205 s of training)
@@ -331,9 +429,10 @@ def main(argv=None):
   p.add_argument("--budget_s", type=float, default=450.0, help="training seconds at most")
   p.add_argument("--eval_every", type=int, default=10, help="steps between held-out evals")
   p.add_argument("--lr", type=float, default=3e-5,
-                 help="RL learning rate (TRL's, and ours' under --ours_recipe issue)")
-  p.add_argument("--ours_recipe", default="default", choices=("default", "issue"),
-                 help="ours' RL settings: configs/default.py's recipe, or TRL's (the issue's)")
+                 help="tiny: the RL learning rate of the \"same\" recipe (the issue's)")
+  p.add_argument("--recipes", default="same,default",
+                 help="the recipe search, run by both sides: same (--model's own recipe), "
+                      "default (configs/default.py's), lr=X (same at lr X)")
   p.add_argument("--sft_steps", type=int, default=200, help="warm-start SFT steps")
   p.add_argument("--sft_lr", type=float, default=3e-3, help="warm-start SFT peak lr")
   p.add_argument("--sft_round_steps", type=int, default=30, help="warm-start: steps per extra round")
@@ -349,60 +448,78 @@ def main(argv=None):
   apply_smoke(args, "time_to_accuracy")
   args.targets = sorted(float(t) for t in args.targets.split(","))
   seeds = [int(s) for s in args.seeds.split(",")]
+  names = [n.strip() for n in args.recipes.split(",") if n.strip()]
+  if "same" not in names:
+    names.insert(0, "same")
+  recipes = {n: recipe_named(n, args) for n in names}
   work = pathlib.Path(args.work)
   work.mkdir(parents=True, exist_ok=True)
 
   with_trl = not args.skip_trl and trl_available()
   if not with_trl and not args.skip_trl:
     print("TRL not installed: skipping its side (pip install -e \".[compare]\" for trl + torch CPU)")
-  warm, warm_acc = warm_start(work, args.sft_steps, args.sft_lr, args.sft_round_steps,
-                              args.warm_acc, below=math.inf if args.smoke else args.targets[0])
-  print(f"warm start: {warm} (greedy held-out accuracy {warm_acc:.3f})")
+  if args.model == "smollm2":   # the base model itself: no warm start (its accuracy: step 0)
+    from posttrain_jax.configs import smollm2
+    from posttrain_jax.models.gguf_io import resolve_model_path
+    warm, warm_acc = resolve_model_path(smollm2.smollm2_gguf()), math.nan
+  else:
+    warm, warm_acc = warm_start(work, args.sft_steps, args.sft_lr, args.sft_round_steps,
+                                args.warm_acc, below=math.inf if args.smoke else args.targets[0])
+  print(f"start: {warm} (greedy held-out accuracy {_fmt(warm_acc, 3)})")
   runs = []
   for seed in seeds:
-    sides = (("ours", run_ours), ("trl", run_trl))
-    for who, fn in (sides if seed % 2 == 0 else sides[::-1]):
-      if who == "trl" and not with_trl:
-        continue
-      runs.append(fn(warm, seed, args, work))
-      r = runs[-1]
-      print(f"done: {who} seed {seed}: {r['steps']} steps, {_fmt(r['s_per_step'], 3)} s/step, "
-            f"s to targets {r['s_to_target']}, best {r['best_acc']:.3f}, load1 before "
-            f"{r['load1']:.2f}", flush=True)
-      if args.out:   # partial results survive an interrupted run
-        write_result(args.out, info, {"runs": runs})
+    for name, recipe in recipes.items():
+      sides = (("ours", run_ours), ("trl", run_trl))
+      for who, fn in (sides if seed % 2 == 0 else sides[::-1]):
+        if who == "trl" and not with_trl:
+          continue
+        r = dict(fn(warm, seed, args, work, recipe=recipe), recipe_name=name)
+        runs.append(r)
+        print(f"done: {who} seed {seed} recipe {name}: {r['steps']} steps, "
+              f"{_fmt(r['s_per_step'], 3)} s/step, s to targets {r['s_to_target']}, best "
+              f"{r['best_acc']:.3f}, load1 before {r['load1']:.2f}", flush=True)
+        if args.out:   # partial results survive an interrupted run
+          write_result(args.out, info, {"runs": runs})
 
   top = str(args.targets[-1])
-  print(f"\n{'who':5} {'seed':>4} {'recipe':>16} {'load1':>5} {'steps':>5} {'s/step':>7} "
+  print(f"\n{'who':5} {'seed':>4} {'recipe':>22} {'load1':>5} {'steps':>5} {'s/step':>7} "
         f"{'compl/s':>8} {'1st step s':>10} {'start':>6} {'best':>6} "
         + " ".join(f"{'s to ' + str(t):>9}" for t in args.targets)
         + " " + " ".join(f"{'steps to ' + str(t):>13}" for t in args.targets))
   for r in runs:
-    rc = r.get("recipe") or {}
-    recipe = f"{rc['prompts']}x{rc['group']} lr{rc['lr']:g}" if rc else "?"
-    print(f"{r['who']:5} {r['seed']:>4} {recipe:>16} {r['load1']:>5.2f} {r['steps']:>5} "
+    rc = r["recipe"]
+    recipe = f"{r['recipe_name']}:{rc['prompts']}x{rc['group']} lr{rc['lr']:g}"
+    print(f"{r['who']:5} {r['seed']:>4} {recipe:>22} {r['load1']:>5.2f} {r['steps']:>5} "
           f"{_fmt(r['s_per_step'], 3):>7} "
           f"{_fmt(r['completions_per_s']):>8} {_fmt(r['first_step_s'], 2):>10} "
           f"{r['start_acc']:>6.3f} {r['best_acc']:>6.3f} "
           + " ".join(f"{_fmt(r['s_to_target'][str(t)]):>9}" for t in args.targets) + " "
           + " ".join(f"{str(r['steps_to_target'][str(t)]):>13}" for t in args.targets))
-  agg = {}
-  for who in ("ours", "trl"):
-    mine = [r for r in runs if r["who"] == who]
-    agg[who] = {"s_to_target": {str(t): _median([r["s_to_target"][str(t)] for r in mine])
-                                for t in args.targets} if mine else {},
-                "s_per_step": _median([r["s_per_step"] for r in mine]) if mine else math.nan}
-  ours_t = agg["ours"]["s_to_target"].get(top, math.nan)
-  trl_t = agg["trl"]["s_to_target"].get(top, math.nan)
-  speedup = trl_t / ours_t if ours_t == ours_t and trl_t == trl_t and ours_t > 0 else math.nan
+  agg = {who: {n: side_medians(runs, who, n, args.targets) for n in recipes}
+         for who in ("ours", "trl")}
+  same = {who: agg[who]["same"]["s_to_target"][top] for who in agg}
+  best = {}
+  for who in agg:   # each side's best recipe: the least median seconds to the top target
+    ts = {n: m["s_to_target"][top] for n, m in agg[who].items() if m["seeds"]}
+    best[who] = min(ts.items(), key=lambda kv: kv[1]) if ts else ("-", math.nan)
+  speedup_same = _ratio(same["trl"], same["ours"])
+  speedup_best = _ratio(best["trl"][1], best["ours"][1])
   if args.out:
     write_result(args.out, info, {
         "args": {k: v for k, v in vars(args).items()}, "warm_start": str(warm),
-        "warm_acc": warm_acc, "runs": runs, "median": agg, "speedup": speedup, "trl": with_trl})
-  print(f"medians over seeds {seeds}, target {top}: ours {_fmt(ours_t)} s, trl {_fmt(trl_t)} s")
-  print(f"RESULT ours_s_to_target={_fmt(ours_t)} trl_s_to_target={_fmt(trl_t)} "
-        f"speedup={_fmt(speedup, 2)} ours_s_per_step={_fmt(agg['ours']['s_per_step'], 3)} "
-        f"trl_s_per_step={_fmt(agg['trl']['s_per_step'], 3)}")
+        "warm_acc": warm_acc, "recipes": recipes, "runs": runs, "median": agg,
+        "best_recipe": {who: best[who][0] for who in best},
+        "speedup_same_settings": speedup_same, "speedup_best_recipes": speedup_best,
+        "trl": with_trl})
+  print(f"medians over seeds {seeds}, target {top}: same settings ours {_fmt(same['ours'])} s, "
+        f"trl {_fmt(same['trl'])} s; best recipes ours {best['ours'][0]} {_fmt(best['ours'][1])} s, "
+        f"trl {best['trl'][0]} {_fmt(best['trl'][1])} s")
+  print(f"RESULT ours_s_to_target={_fmt(same['ours'])} trl_s_to_target={_fmt(same['trl'])} "
+        f"speedup_same_settings={_fmt(speedup_same, 2)} "
+        f"speedup_best_recipes={_fmt(speedup_best, 2)} "
+        f"ours_best_recipe={best['ours'][0]} trl_best_recipe={best['trl'][0]} "
+        f"ours_s_per_step={_fmt(agg['ours']['same']['s_per_step'], 3)} "
+        f"trl_s_per_step={_fmt(agg['trl']['same']['s_per_step'], 3)}")
   return agg
 
 

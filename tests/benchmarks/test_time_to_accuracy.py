@@ -28,11 +28,15 @@ _TRL = {0: ([(0, 0.0, 0.3), (10, 9.0, 0.5), (20, 20.0, 0.7)], [1.0] * 20),
         2: ([(0, 0.0, 0.3), (10, 11.0, 0.6), (20, 40.0, 0.75)], [2.0] * 20)}
 
 
-def _scripted(mod, table, who):
-  def run(warm, seed, args, work):
+def _scripted(mod, table, who, slower_at_other_lr=1.0):
+  """Scripted runs: `table` at the "same" recipe; another lr takes `slower_at_other_lr` x the
+  seconds (at every eval)."""
+  def run(warm, seed, args, work, recipe=None):
     curve, step_s = table[seed]
+    if recipe["lr"] != args.lr:
+      curve = [(s, ts * slower_at_other_lr, a) for s, ts, a in curve]
     hits = {t: next(((s, ts) for s, ts, a in curve if a >= t), None) for t in args.targets}
-    return mod._summary(who, seed, step_s, curve, hits, curve[-1][1], 1.0)
+    return mod._summary(who, seed, step_s, curve, hits, curve[-1][1], 1.0, recipe=recipe)
   return run
 
 
@@ -40,31 +44,79 @@ def _scripted(mod, table, who):
 def test_report_takes_medians_over_seeds(tmp_path, monkeypatch, capsys, with_trl):
   mod = _bench()
   monkeypatch.setattr(mod, "warm_start", lambda work, steps, lr, rounds, acc, below: (tmp_path / "warm", 0.3))
-  monkeypatch.setattr(mod, "run_ours", _scripted(mod, _OURS, "ours"))
-  monkeypatch.setattr(mod, "run_trl", _scripted(mod, _TRL, "trl"))
+  # at lr 1e-4 ours is slower (2x) and TRL faster (0.5x): each side's best is another recipe
+  monkeypatch.setattr(mod, "run_ours", _scripted(mod, _OURS, "ours", 2.0))
+  monkeypatch.setattr(mod, "run_trl", _scripted(mod, _TRL, "trl", 0.5))
   monkeypatch.setattr(mod, "trl_available", lambda: with_trl)
   out = tmp_path / "r.json"
   mod.main(["--seeds", "0,1,2", "--targets", "0.5,0.7", "--work", str(tmp_path),
-            "--out", str(out)])
+            "--recipes", "same,lr=1e-4", "--out", str(out)])
   lines = capsys.readouterr().out.strip().splitlines()
-  # ours to 0.7: 10, 18, inf -> median 18; s/step: medians 0.4, 0.5, 0.3 (the compile step
-  # left out) -> 0.4. TRL: 20, 30, 40 -> 30; s/step 1.0, 1.5, 2.0 -> 1.5; speedup 30 / 18
+  # "same": ours to 0.7: 10, 18, inf -> median 18; s/step: medians 0.4, 0.5, 0.3 (the compile
+  # step left out) -> 0.4. TRL: 20, 30, 40 -> 30; s/step 1.0, 1.5, 2.0 -> 1.5; 30 / 18 = 1.67.
+  # Best: ours "same" (18 against 36 at lr 1e-4), TRL lr=1e-4 (15): 15 / 18 = 0.83
   if with_trl:
-    assert lines[-1] == ("RESULT ours_s_to_target=18.0 trl_s_to_target=30.0 speedup=1.67 "
+    assert lines[-1] == ("RESULT ours_s_to_target=18.0 trl_s_to_target=30.0 "
+                         "speedup_same_settings=1.67 speedup_best_recipes=0.83 "
+                         "ours_best_recipe=same trl_best_recipe=lr=1e-4 "
                          "ours_s_per_step=0.400 trl_s_per_step=1.500")
   else:
     assert lines[0].startswith("TRL not installed: skipping its side")
-    assert lines[-1] == ("RESULT ours_s_to_target=18.0 trl_s_to_target=nan speedup=nan "
+    assert lines[-1] == ("RESULT ours_s_to_target=18.0 trl_s_to_target=nan "
+                         "speedup_same_settings=nan speedup_best_recipes=nan "
+                         "ours_best_recipe=same trl_best_recipe=- "
                          "ours_s_per_step=0.400 trl_s_per_step=nan")
   report = json.loads(out.read_text())
-  assert report["median"]["ours"]["s_to_target"] == {"0.5": 6.0, "0.7": 18.0}  # 5, 6, 8; 10, 18, inf
-  ours = [r for r in report["runs"] if r["who"] == "ours"]
+  assert report["median"]["ours"]["same"]["s_to_target"] == {"0.5": 6.0, "0.7": 18.0}
+  assert report["median"]["ours"]["lr=1e-4"]["s_to_target"] == {"0.5": 12.0, "0.7": 36.0}
+  ours = [r for r in report["runs"] if r["who"] == "ours" and r["recipe_name"] == "same"]
   assert [r["s_to_target"]["0.7"] for r in ours] == [10.0, 18.0, math.inf]
   assert ours[0]["completions_per_s"] == pytest.approx(64 / 0.4)
-  assert len(report["runs"]) == (6 if with_trl else 3)
+  assert len(report["runs"]) == (12 if with_trl else 6)
   if with_trl:   # odd seeds run TRL first (neither side always gets the warmer machine)
-    assert [(r["who"], r["seed"]) for r in report["runs"]] == [
+    assert [(r["who"], r["seed"]) for r in report["runs"] if r["recipe_name"] == "same"] == [
         ("ours", 0), ("trl", 0), ("trl", 1), ("ours", 1), ("ours", 2), ("trl", 2)]
+
+
+def test_both_sides_read_one_run_config():
+  """TRL's GRPOConfig keywords and LoRA come from the run config ours runs: change a field of
+  the recipe or the config and both sides change."""
+  import argparse
+
+  from posttrain_jax.run_config import run_config_from_dict
+  mod = _bench()
+  args = argparse.Namespace(model="tiny", max_steps=5, eval_every=1, lr=3e-5, targets=[0.5],
+                            budget_s=None)
+  recipe = dict(mod.recipe_named("same", args), lr=7e-5, warmup_steps=3, eps_high=0.28)
+  cfg = run_config_from_dict(dict(mod.race_config(args, "/w", recipe), workdir="/x", seed=0))
+  got = mod.trl_settings(cfg)
+  assert (cfg.rl.learner.optimizer.learning_rate, got["learning_rate"]) == (7e-5, 7e-5)
+  assert got["lr_scheduler_type"] == "constant_with_warmup" and got["warmup_steps"] == 3
+  assert (got["epsilon"], got["epsilon_high"]) == (0.2, 0.28)
+  assert got["per_device_train_batch_size"] == 64 and got["num_generations"] == 8
+  assert got["gradient_checkpointing"] is False and mod.trl_lora(cfg) is None
+  with pytest.raises(SystemExit, match="--recipes: 'fast'"):
+    mod.recipe_named("fast", args)
+
+
+def test_smollm2_race_reads_configs_smollm2():
+  pytest.importorskip("peft")
+  import argparse
+
+  from posttrain_jax.configs import smollm2
+  from posttrain_jax.run_config import run_config_from_dict
+  mod = _bench()
+  args = argparse.Namespace(model="smollm2", max_steps=5, eval_every=1, lr=3e-5, targets=[0.5],
+                            budget_s=None)
+  recipe = mod.recipe_named("lr=1e-4", args)
+  cfg = run_config_from_dict(dict(mod.race_config(args, "/w", recipe), workdir="/x", seed=0))
+  mine = smollm2.get_config()
+  assert cfg.tasks.dataset == mine.tasks.dataset and cfg.grader == mine.grader
+  assert cfg.model.path == "/w" and cfg.rl.learner.optimizer.learning_rate == 1e-4
+  lora = mod.trl_lora(cfg)
+  assert (lora.r, lora.lora_alpha) == (mine.rl.learner.lora.rank, mine.rl.learner.lora.alpha)
+  assert sorted(lora.target_modules) == sorted(cfg.rl.learner.lora.target_modules)
+  assert mod.trl_settings(cfg)["max_completion_length"] == mine.rl.rollout.max_tokens
 
 
 def test_trl_side_on_a_tiny_model(tmp_path):
