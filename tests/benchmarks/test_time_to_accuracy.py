@@ -58,12 +58,14 @@ def test_report_takes_medians_over_seeds(tmp_path, monkeypatch, capsys, with_trl
   if with_trl:
     assert lines[-1] == ("RESULT ours_s_to_target=18.0 trl_s_to_target=30.0 "
                          "speedup_same_settings=1.67 speedup_best_recipes=0.83 "
+                         "speedup_same_settings_at_least=1.67 speedup_best_recipes_at_least=0.83 "
                          "ours_best_recipe=same trl_best_recipe=lr=1e-4 "
                          "ours_s_per_step=0.400 trl_s_per_step=1.500")
   else:
     assert lines[0].startswith("TRL not installed: skipping its side")
     assert lines[-1] == ("RESULT ours_s_to_target=18.0 trl_s_to_target=nan "
                          "speedup_same_settings=nan speedup_best_recipes=nan "
+                         "speedup_same_settings_at_least=nan speedup_best_recipes_at_least=nan "
                          "ours_best_recipe=same trl_best_recipe=- "
                          "ours_s_per_step=0.400 trl_s_per_step=nan")
   report = json.loads(out.read_text())
@@ -76,6 +78,22 @@ def test_report_takes_medians_over_seeds(tmp_path, monkeypatch, capsys, with_trl
   if with_trl:   # odd seeds run TRL first (neither side always gets the warmer machine)
     assert [(r["who"], r["seed"]) for r in report["runs"] if r["recipe_name"] == "same"] == [
         ("ours", 0), ("trl", 0), ("trl", 1), ("ours", 1), ("ours", 2), ("trl", 2)]
+
+
+def test_a_target_trl_never_reaches_gives_a_lower_bound(tmp_path, monkeypatch, capsys):
+  """TRL short of the top target in its budget: the ratio is inf, and at least the seconds it
+  trained over ours' seconds to the target."""
+  mod = _bench()
+  monkeypatch.setattr(mod, "warm_start", lambda work, steps, lr, rounds, acc, below: (tmp_path / "warm", 0.3))
+  ours = {0: ([(0, 0.0, 0.3), (10, 10.0, 0.75)], [2.0] + [0.5] * 9)}
+  trl = {0: ([(0, 0.0, 0.3), (10, 30.0, 0.6), (20, 50.0, 0.65)], [2.5] * 20)}   # never 0.7
+  monkeypatch.setattr(mod, "run_ours", _scripted(mod, ours, "ours"))
+  monkeypatch.setattr(mod, "run_trl", _scripted(mod, trl, "trl"))
+  monkeypatch.setattr(mod, "trl_available", lambda: True)
+  mod.main(["--seeds", "0", "--targets", "0.5,0.7", "--work", str(tmp_path), "--recipes", "same"])
+  result = capsys.readouterr().out.strip().splitlines()[-1]
+  assert "speedup_same_settings=inf " in result and " trl_s_to_target=inf " in result
+  assert "speedup_same_settings_at_least=5.00 speedup_best_recipes_at_least=5.00" in result
 
 
 def test_both_sides_read_one_run_config():
