@@ -418,6 +418,11 @@ def _ratio(trl_t, ours_t):
   return trl_t / ours_t if ours_t == ours_t and trl_t == trl_t and ours_t > 0 else math.nan
 
 
+def _lower_ratio(trl_bound, ours_t):
+  """TRL's lower bound over ours' seconds; nan where ours never reached the target either."""
+  return _ratio(trl_bound, ours_t) if math.isfinite(ours_t) else math.nan
+
+
 def trl_at_least(runs, recipe, top) -> float:
   """A lower bound on TRL's median seconds to `top` on `recipe`: a run that never reached it
   counts the seconds it trained (budget or steps ran out) instead of inf, so "TRL took more
@@ -425,6 +430,31 @@ def trl_at_least(runs, recipe, top) -> float:
   mine = [r for r in runs if r["who"] == "trl" and r["recipe_name"] == recipe]
   return _median([r["s_to_target"][top] if math.isfinite(r["s_to_target"][top]) else r["train_s"]
                   for r in mine])
+
+
+def _child(fn_name, warm, seed, args, work, recipe, out):
+  out.put(globals()[fn_name](warm, seed, args, work, recipe=recipe))
+
+
+def isolated(fn, warm, seed, args, work, recipe) -> dict:
+  """`fn(...)` in a fresh process (`--isolate`): what one run leaves behind (JAX's compiled
+  programs and buffers, torch's allocator) is gone before the next, whose peak is then its own.
+  Without it, SmolLM2's third run in one process (JAX twice, then TRL) was OOM-killed at 24 GB."""
+  import multiprocessing
+  ctx = multiprocessing.get_context("spawn")
+  out = ctx.Queue()
+  proc = ctx.Process(target=_child, args=(fn.__name__, warm, seed, args, work, recipe, out))
+  proc.start()
+  while True:
+    try:
+      result = out.get(timeout=5)
+      break
+    except Exception:  # noqa: BLE001 -- queue.Empty: is the child still there?
+      if not proc.is_alive():
+        raise SystemExit(f"time_to_accuracy: the {fn.__name__} run (seed {seed}) died with exit "
+                         f"status {proc.exitcode} (-9: killed, e.g. out of memory)") from None
+  proc.join()
+  return result
 
 
 def main(argv=None):
@@ -451,6 +481,11 @@ def main(argv=None):
   p.add_argument("--work", default=None, help="warm start cache, run dirs (default: "
                  "/tmp/time_to_accuracy; --smoke: a fresh temporary one)")
   p.add_argument("--skip_trl", action="store_true", help="run ours only")
+  p.add_argument("--isolate", default=None, choices=("on", "off"),
+                 help="each run in its own process (default: on for smollm2, off for tiny)")
+  p.add_argument("--resume", default=None,
+                 help="a JSON this benchmark wrote (partial or whole): its runs of the same "
+                      "(side, seed, recipe) are taken from it, not run again")
   p.add_argument("--out", default=None, help="write every run's numbers as JSON here")
   p.add_argument("--smoke", action="store_true",
                  help="seed 0, a 2-step warm start as it comes, 2 RL steps a side (CI)")
@@ -477,6 +512,12 @@ def main(argv=None):
     warm, warm_acc = warm_start(work, args.sft_steps, args.sft_lr, args.sft_round_steps,
                                 args.warm_acc, below=math.inf if args.smoke else args.targets[0])
   print(f"start: {warm} (greedy held-out accuracy {_fmt(warm_acc, 3)})")
+  isolate = (args.isolate or ("on" if args.model == "smollm2" else "off")) == "on"
+  done = {}
+  if args.resume:
+    for r in json.loads(pathlib.Path(args.resume).read_text())["runs"]:
+      if r["recipe"] == recipes.get(r["recipe_name"]):   # the same recipe, not just its name
+        done[(r["who"], r["seed"], r["recipe_name"])] = r
   runs = []
   for seed in seeds:
     for name, recipe in recipes.items():
@@ -484,7 +525,12 @@ def main(argv=None):
       for who, fn in (sides if seed % 2 == 0 else sides[::-1]):
         if who == "trl" and not with_trl:
           continue
-        r = dict(fn(warm, seed, args, work, recipe=recipe), recipe_name=name)
+        if (who, seed, name) in done:
+          r = dict(done[(who, seed, name)], resumed_from=args.resume)
+        else:
+          r = (isolated(fn, warm, seed, args, work, recipe) if isolate
+               else fn(warm, seed, args, work, recipe=recipe))
+          r = dict(r, recipe_name=name)
         runs.append(r)
         print(f"done: {who} seed {seed} recipe {name}: {r['steps']} steps, "
               f"{_fmt(r['s_per_step'], 3)} s/step, s to targets {r['s_to_target']}, best "
@@ -516,9 +562,9 @@ def main(argv=None):
   speedup_same = _ratio(same["trl"], same["ours"])
   speedup_best = _ratio(best["trl"][1], best["ours"][1])
   # where TRL never reached the top target: the ratio is at least (seconds TRL trained) / ours'
-  same_at_least = _ratio(trl_at_least(runs, "same", top), same["ours"])
+  same_at_least = _lower_ratio(trl_at_least(runs, "same", top), same["ours"])
   # (each TRL recipe's time is at least its bound, so its best is at least the least bound)
-  best_at_least = _ratio(min((trl_at_least(runs, n, top) for n in recipes
+  best_at_least = _lower_ratio(min((trl_at_least(runs, n, top) for n in recipes
                               if agg["trl"][n]["seeds"]), default=math.nan), best["ours"][1])
   if args.out:
     write_result(args.out, info, {

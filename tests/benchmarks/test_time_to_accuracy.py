@@ -96,6 +96,38 @@ def test_a_target_trl_never_reaches_gives_a_lower_bound(tmp_path, monkeypatch, c
   assert "speedup_same_settings_at_least=5.00 speedup_best_recipes_at_least=5.00" in result
 
 
+def test_resume_runs_only_what_the_json_lacks(tmp_path, monkeypatch, capsys):
+  """`--resume`: runs already in a JSON this benchmark wrote (the same side, seed and recipe)
+  are reused; a recipe whose settings changed under the same name is run again."""
+  mod = _bench()
+  monkeypatch.setattr(mod, "warm_start", lambda work, steps, lr, rounds, acc, below: (tmp_path / "warm", 0.3))
+  monkeypatch.setattr(mod, "trl_available", lambda: True)
+  monkeypatch.setattr(mod, "run_ours", _scripted(mod, _OURS, "ours"))
+  monkeypatch.setattr(mod, "run_trl", _scripted(mod, _TRL, "trl"))
+  first = tmp_path / "first.json"
+  mod.main(["--seeds", "0", "--targets", "0.5,0.7", "--work", str(tmp_path), "--recipes", "same",
+            "--out", str(first)])
+  whole = capsys.readouterr().out.strip().splitlines()[-1]
+  ran = []
+
+  def must_not_run(warm, seed, args, work, recipe=None):
+    raise AssertionError("a run the JSON holds was run again")
+
+  def counted(warm, seed, args, work, recipe=None):
+    ran.append(recipe["lr"])
+    return _scripted(mod, _OURS, "ours")(warm, seed, args, work, recipe=recipe)
+  monkeypatch.setattr(mod, "run_trl", must_not_run)
+  monkeypatch.setattr(mod, "run_ours", must_not_run)
+  mod.main(["--seeds", "0", "--targets", "0.5,0.7", "--work", str(tmp_path), "--recipes", "same",
+            "--resume", str(first)])
+  assert capsys.readouterr().out.strip().splitlines()[-1] == whole   # the same report, no run
+  monkeypatch.setattr(mod, "run_ours", counted)   # "same" at another --lr: ours runs again
+  with pytest.raises(AssertionError, match="run again"):
+    mod.main(["--seeds", "0", "--targets", "0.5,0.7", "--work", str(tmp_path), "--recipes",
+              "same", "--lr", "1e-3", "--resume", str(first)])
+  assert ran == [1e-3]
+
+
 def test_both_sides_read_one_run_config():
   """TRL's GRPOConfig keywords and LoRA come from the run config ours runs: change a field of
   the recipe or the config and both sides change."""
