@@ -41,8 +41,9 @@ not reached in the budget counts as inf. The RESULT line takes the median over s
 highest target.
 
 TRL and its torch CPU wheel are the optional `[compare]` extra (`pip install -e ".[compare]"`);
-without them the TRL side is skipped (said so, and trl_* read nan). Both run in this one
-process, one after the other per seed, the order alternating (even seeds ours first, odd seeds
+without them the TRL side is skipped (said so, and trl_* read nan). The runs go one after
+the other (in this process, or each in its own with `--isolate`, the default for smollm2), per
+seed and recipe, the order alternating (even seeds ours first, odd seeds
 TRL first: neither always runs on the warmer or the more loaded machine); each run records the
 1-minute load average before it starts (`load1`: above ~0.5 on an idle 2-core machine, something
 else was running). Ends with
@@ -63,6 +64,22 @@ On TRL's exact settings both sides take about the same steps to 0.6 (ours 0-9% f
 seed), so the 3.1-3.3x of per-step cost is the whole ratio there, less ours' compiles (~3-4 s
 for the first step, ~2.7 s for each new length): 600 steps x 0.104 s = 62 s of steps in
 73.6 s. The default recipe's 16 prompts a step cost 1.8x a step and need 2.4x fewer steps.
+
+Measured 2026-12-07, `--model smollm2` (2-core CPU, TRL 1.16 + peft 0.21 + torch 2.13; seed 0,
+evals every 5 steps over 256 held-out tasks, 600 s of training at most; both sides start at
+0.276 greedy, TRL's own `generate` and our sampler agreeing):
+
+    recipe      s/step ours  TRL    held-out at step 5 ours  TRL    s to 0.5 ours  TRL    s to 0.7 ours  TRL
+    same (3e-4) 8.9          69.6   0.672                    0.674  62.5           348.7  103.4          inf (0.674 at 600 s)
+    lr=1e-4     9.6          67.9   0.453                    0.457  107.4          inf    157.1          inf
+    lr=1e-3     10.2         62.8   0.666                    0.637  76.5           352.7  124.4          inf (0.691 at 10)
+
+Per step both sides learn alike (the step-5 scores agree to 0.03 at each lr); the gap is the
+cost of a step, 7.0-7.8x, of which the batch's tokens are most: TRL runs each of the 64
+completions with its own copy of the ~89-token prompt (~6,400 tokens a step), ours the 8
+prompts once each with their 8 completions beside them (`batch.share_prefix`: ~1,350), and
+TRL's `generate` is slower than our sampler (benchmarks/real_model.py: 1.4x at batch 64). What
+part each has was not measured apart. TRL's step peaked at ~20 GB RSS, ours at ~6.7 GB.
 
 `--smoke`: one seed, a 2-step SFT warm start taken at whatever accuracy it reaches, 2 RL steps
 per side with an eval after each, in a fresh temporary --work unless one is given (seconds, for
@@ -85,6 +102,7 @@ if str(_ROOT) not in sys.path:
   sys.path.insert(0, str(_ROOT))
 
 from benchmarks._meta import run_info, write_result  # noqa: E402
+from benchmarks._trl_settings import trl_lora, trl_settings  # noqa: E402
 
 TINY = dict(family="qwen3", vocab_size=512, hidden_size=256, intermediate_size=768, num_layers=4,
             num_heads=4, num_kv_heads=2, head_dim=64, seed=0)    # 3.2M parameters
@@ -228,36 +246,6 @@ def run_ours(warm: pathlib.Path, seed: int, args, work: pathlib.Path, recipe=Non
 
 
 # ---------------------------------------------------------------------------------- TRL
-def trl_settings(cfg) -> dict:
-  """`GRPOConfig` keywords for what a RunConfig sets: batch, group, sampling, lr and its warmup
-  (then constant: ours has no decay here), clip range, token-mean loss ("dapo"), grad-norm clip,
-  no KL, activation recompute (`model.remat`; TRL's default would recompute, ours does not)."""
-  rl, opt = cfg.rl, cfg.rl.learner.optimizer
-  if opt.decay_steps:
-    raise SystemExit("time_to_accuracy: a decaying lr has no TRL twin here (decay_steps=0)")
-  loss = rl.loss     # the loss's own config (losses/grpo.py's GRPOConfig)
-  if loss.aggregation != "token_mean" or loss.kl_coef:
-    raise SystemExit("time_to_accuracy: TRL is run with token-mean loss and no KL only")
-  return dict(per_device_train_batch_size=rl.prompts_per_step * rl.rollout.group_size,
-              gradient_accumulation_steps=1, num_generations=rl.rollout.group_size,
-              max_completion_length=rl.rollout.max_tokens, temperature=rl.rollout.temperature,
-              learning_rate=opt.learning_rate, warmup_steps=opt.warmup_steps,
-              lr_scheduler_type="constant_with_warmup" if opt.warmup_steps else "constant",
-              beta=0.0, loss_type="dapo", epsilon=loss.eps_low,
-              epsilon_high=loss.eps_high, max_grad_norm=opt.grad_clip_norm,
-              gradient_checkpointing=cfg.model.remat)
-
-
-def trl_lora(cfg):
-  """peft's LoraConfig for the run's `rl.learner.lora` (None without adapters)."""
-  lo = cfg.rl.learner.lora
-  if not lo.rank:
-    return None
-  from peft import LoraConfig
-  return LoraConfig(r=lo.rank, lora_alpha=lo.alpha, lora_dropout=lo.dropout,
-                    target_modules=list(lo.target_modules), task_type="CAUSAL_LM")
-
-
 def run_trl(warm: pathlib.Path, seed: int, args, work: pathlib.Path, recipe=None) -> dict:
   import datasets
   import torch
