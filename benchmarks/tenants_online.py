@@ -124,7 +124,8 @@ def _bank(cfg, kind: str, seed: int, eval_size: int | None = None):
   source, own = cfg.tasks.dataset.split(":")
   options = dict(cfg.tasks.dataset_config or {})
   if kind != own:   # the worked-example keys are ours; the rest are the dataset's
-    options = {k: v for k, v in options.items() if k in ("shots", "shot_pool", "system_prompt")}
+    from posttrain_jax.tasks.reasoning_gym_suite import OUR_KEYS
+    options = {k: v for k, v in options.items() if k in OUR_KEYS}
     options.update(KIND_OPTIONS.get(kind, {}))
   return TaskBank(dataclasses.replace(tasks, dataset=f"{source}:{kind}", dataset_config=options))
 

@@ -93,7 +93,6 @@ import math
 import os
 import pathlib
 import queue
-import statistics
 import sys
 import tempfile
 import time
@@ -103,6 +102,8 @@ if str(_ROOT) not in sys.path:
   sys.path.insert(0, str(_ROOT))
 
 from benchmarks._meta import run_info, write_result  # noqa: E402
+from benchmarks._race_report import (  # noqa: E402,F401 (_fmt, _summary: recipe_sweep, tests)
+    _fmt, _lower_ratio, _median, _ratio, _summary, side_medians, trl_at_least)
 from benchmarks._trl_settings import trl_lora, trl_settings  # noqa: E402
 
 TINY = dict(family="qwen3", vocab_size=512, hidden_size=256, intermediate_size=768, num_layers=4,
@@ -122,7 +123,12 @@ def ours_recipe(name: str, lr: float) -> dict:
   if name != "default":
     raise ValueError(f"recipe {name!r} is not one of default, issue")
   from posttrain_jax.configs import default
-  rl = default.get_config().rl
+  return recipe_of(default.get_config())
+
+
+def recipe_of(config) -> dict:
+  """The recipe a config file's `get_config()` sets: prompts, group, lr, warmup, clip."""
+  rl = config.rl
   return dict(prompts=rl.prompts_per_step, group=rl.rollout.group_size,
               lr=rl.learner.optimizer.learning_rate, warmup_steps=rl.learner.optimizer.warmup_steps,
               eps_low=rl.loss["eps_low"], eps_high=rl.loss["eps_high"])
@@ -223,10 +229,7 @@ def config_recipe(args) -> dict:
   if getattr(args, "model", "tiny") != "smollm2":
     return ours_recipe("issue", args.lr)
   from posttrain_jax.configs import smollm2
-  rl = smollm2.get_config().rl
-  return dict(prompts=rl.prompts_per_step, group=rl.rollout.group_size,
-              lr=rl.learner.optimizer.learning_rate, warmup_steps=rl.learner.optimizer.warmup_steps,
-              eps_low=rl.loss["eps_low"], eps_high=rl.loss["eps_high"])
+  return recipe_of(smollm2.get_config())
 
 
 def run_ours(warm: pathlib.Path, seed: int, args, work: pathlib.Path, recipe=None) -> dict:
@@ -349,22 +352,6 @@ def run_trl(warm: pathlib.Path, seed: int, args, work: pathlib.Path, recipe=None
                   completions=settings["per_device_train_batch_size"], load1=load1, recipe=r)
 
 
-# ---------------------------------------------------------------------------------- report
-def _summary(who, seed, step_s, curve, hits, train_s, eval_s, completions=PROMPTS * GROUP,
-             load1=math.nan, recipe=None) -> dict:
-  steady = step_s[1:] if len(step_s) > 1 else step_s   # the first holds our compile
-  s_per_step = statistics.median(steady) if steady else math.nan
-  return {"who": who, "seed": seed, "steps": len(step_s), "s_per_step": s_per_step,
-          "first_step_s": step_s[0] if step_s else math.nan, "load1": load1, "recipe": recipe,
-          "completions_per_step": completions,
-          "completions_per_s": completions / s_per_step if s_per_step else math.nan,
-          "train_s": train_s, "eval_s": eval_s, "start_acc": curve[0][2] if curve else math.nan,
-          "best_acc": max(c[2] for c in curve) if curve else math.nan,
-          "s_to_target": {str(t): (h[1] if h else math.inf) for t, h in hits.items()},
-          "steps_to_target": {str(t): (h[0] if h else None) for t, h in hits.items()},
-          "curve": curve}
-
-
 def apply_smoke(args, name: str) -> None:
   """`--smoke` (module docstring): the smallest sizes of the same path, set on `args` (a warm
   start taken at any accuracy: `--warm_acc 0`, the caller not checking it against the targets);
@@ -375,15 +362,6 @@ def apply_smoke(args, name: str) -> None:
   if args.work is None:
     args.work = (tempfile.mkdtemp(prefix=f"{name}_smoke_") if args.smoke
                  else "/tmp/time_to_accuracy")
-
-
-def _median(xs):
-  xs = [x for x in xs if x == x]
-  return statistics.median(xs) if xs else math.nan
-
-
-def _fmt(x, nd=1):
-  return "nan" if x != x else ("inf" if math.isinf(x) else f"{x:.{nd}f}")
 
 
 def recipe_named(name: str, args) -> dict:
@@ -397,31 +375,6 @@ def recipe_named(name: str, args) -> dict:
   if name.startswith("lr="):
     return dict(config_recipe(args), lr=float(name[3:]))
   raise SystemExit(f"--recipes: {name!r} is not one of same, default, lr=<float>")
-
-
-def side_medians(runs, who, recipe, targets) -> dict:
-  mine = [r for r in runs if r["who"] == who and r["recipe_name"] == recipe]
-  return {"s_to_target": {str(t): _median([r["s_to_target"][str(t)] for r in mine])
-                          for t in targets},
-          "s_per_step": _median([r["s_per_step"] for r in mine]), "seeds": len(mine)}
-
-
-def _ratio(trl_t, ours_t):
-  return trl_t / ours_t if ours_t == ours_t and trl_t == trl_t and ours_t > 0 else math.nan
-
-
-def _lower_ratio(trl_bound, ours_t):
-  """TRL's lower bound over ours' seconds; nan where ours never reached the target either."""
-  return _ratio(trl_bound, ours_t) if math.isfinite(ours_t) else math.nan
-
-
-def trl_at_least(runs, recipe, top) -> float:
-  """A lower bound on TRL's median seconds to `top` on `recipe`: a run that never reached it
-  counts the seconds it trained (budget or steps ran out) instead of inf, so "TRL took more
-  than X s" is a number beside speedup's inf."""
-  mine = [r for r in runs if r["who"] == "trl" and r["recipe_name"] == recipe]
-  return _median([r["s_to_target"][top] if math.isfinite(r["s_to_target"][top]) else r["train_s"]
-                  for r in mine])
 
 
 def _child(fn_name, warm, seed, args, work, recipe, out):

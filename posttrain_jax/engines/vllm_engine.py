@@ -122,8 +122,7 @@ class VLLMEngineConfig:
   startup_timeout_s: int = 600        # vLLM must be ready within this (VLLM_ENGINE_READY_TIMEOUT_S)
   skip_tokenizer_init: bool = False   # True: no tokenizer needed (we only use token ids)
   llm_kwargs: tuple[tuple[str, Any], ...] = ()  # further `vllm.LLM` arguments, passed as given
-  request_timeout_s: float = 600.0    # one generate / score / weight load; longer = a hung core,
-                                      # killed and restarted (module docstring)
+  request_timeout_s: float = 600.0    # a generate / score / weight load past it: a hung core
   max_restarts: int = 3               # engine-core deaths or hangs survived over the engine's life
   adapter_sync: Optional[bool] = None  # LoRA learner: True: vLLM with enable_lora, the adapters
                                       # alone each sync (vllm_adapters.py); False: merged weights;

@@ -51,6 +51,7 @@ SEED_STRIDE = 10_000_019    # between task seeds: > every offset a split reads (
 SHOT_SEED = 2_000_003       # worked examples' seed offset
 DEFAULT_SIZE = 100_000      # training rows when synthetic_size is None
 _TRIES = 64                 # rows tried per training index before the problem space is too small
+OUR_KEYS = ("shots", "shot_pool", "system_prompt")   # dataset_config keys of ours, not the dataset's
 
 
 def _package():
